@@ -1,0 +1,202 @@
+"""VeriCache configuration: the ``--vericache*`` flags as frozen, validated dataclasses.
+
+Stdlib only, so it loads in every SGLang process for free. The compressor spec is validated
+by the compressor library itself (``sglang_vericache.compress``), which owns the list of
+valid names and keys; this module only routes its message to the flag that carried it.
+
+Flag surface (fixed so that every part of the system agrees)::
+
+    --vericache                       turn the mode on
+    --vericache-compressor SPEC       e.g. streaming:sink=4,window=252 | snapkv:ratio=0.25 |
+                                      kivi:bits=4 | snapkv:ratio=0.5+kivi:bits=4
+    --vericache-draft-len N|auto      draft tokens per verify window (auto: per request)
+    --vericache-tier host|zmq://HOST:PORT|lmcache://HOST:PORT   where the full KV lives
+"""
+
+from __future__ import annotations
+
+import argparse
+import enum
+from dataclasses import asdict, dataclass
+from typing import Any, Mapping
+
+DEFAULT_COMPRESSOR = "kivi:bits=4"
+DEFAULT_DRAFT_LEN = "auto"
+DEFAULT_TIER = "host"
+MAX_DRAFT_LEN = 64
+
+
+class VeriCacheConfigError(ValueError):
+    """A ``--vericache*`` flag has a bad value. ``flag`` names it; the message says the fix."""
+
+    def __init__(self, flag: str, message: str) -> None:
+        super().__init__(f"{flag}: {message}")
+        self.flag = flag
+
+
+class TierKind(enum.Enum):
+    HOST = "host"
+    ZMQ = "zmq"
+    LMCACHE = "lmcache"
+
+
+@dataclass(frozen=True, slots=True)
+class TierSpec:
+    """Where the full KV lives. ``host``/``port`` are set exactly for the remote kinds."""
+
+    kind: TierKind
+    host: str | None = None
+    port: int | None = None
+
+    def __post_init__(self) -> None:
+        remote = self.kind is not TierKind.HOST
+        if remote != (self.host is not None and self.port is not None):
+            raise VeriCacheConfigError(
+                "--vericache-tier", f"{self.kind.value} needs HOST:PORT exactly when remote"
+            )
+        if self.port is not None and not 0 < self.port < 65536:
+            raise VeriCacheConfigError("--vericache-tier", f"port {self.port} is not in 1..65535")
+
+    @classmethod
+    def parse(cls, spec: str) -> "TierSpec":
+        accepted = "accepted: host, zmq://HOST:PORT, lmcache://HOST:PORT"
+        if spec == TierKind.HOST.value:
+            return cls(TierKind.HOST)
+        scheme, sep, rest = spec.partition("://")
+        kinds = {k.value: k for k in TierKind if k is not TierKind.HOST}
+        if not sep or scheme not in kinds:
+            raise VeriCacheConfigError("--vericache-tier", f"{spec!r} is not a tier ({accepted})")
+        host, colon, port = rest.rpartition(":")
+        if not colon or not host or not port.isdigit():
+            raise VeriCacheConfigError(
+                "--vericache-tier", f"{spec!r} lacks HOST:PORT (e.g. {scheme}://127.0.0.1:7300)"
+            )
+        return cls(kinds[scheme], host.strip("[]"), int(port))
+
+    def __str__(self) -> str:
+        if self.kind is TierKind.HOST:
+            return self.kind.value
+        host = f"[{self.host}]" if self.host and ":" in self.host else self.host
+        return f"{self.kind.value}://{host}:{self.port}"
+
+
+def parse_draft_len(value: str) -> int | None:
+    """``"auto"`` -> None (adaptive per request); ``"N"`` -> N in 1..MAX_DRAFT_LEN."""
+    if value == "auto":
+        return None
+    if not value.isdigit() or not 1 <= int(value) <= MAX_DRAFT_LEN:
+        raise VeriCacheConfigError(
+            "--vericache-draft-len", f"{value!r} is not 'auto' or an integer in 1..{MAX_DRAFT_LEN}"
+        )
+    return int(value)
+
+
+def canonical_compressor(spec: str) -> str:
+    """Validate ``spec`` with the compressor library; return its canonical spelling."""
+    from sglang_vericache.compress import build_compressor  # torch import: only when validating
+
+    try:
+        return build_compressor(spec).spec
+    except ValueError as exc:
+        raise VeriCacheConfigError("--vericache-compressor", str(exc)) from None
+
+
+@dataclass(frozen=True, slots=True)
+class VeriCacheConfig:
+    """Everything the ``--vericache*`` flags say, validated.
+
+    ``draft_len`` None means adaptive ("auto"). ``compressor`` is the canonical spec string
+    (the compressor objects themselves are rebuilt from it in each process).
+    """
+
+    enabled: bool = False
+    compressor: str = DEFAULT_COMPRESSOR
+    draft_len: int | None = None
+    tier: TierSpec = TierSpec(TierKind.HOST)
+
+    @classmethod
+    def from_flags(
+        cls, *, enabled: bool, compressor: str, draft_len: str, tier: str
+    ) -> "VeriCacheConfig":
+        return cls(
+            enabled=enabled,
+            compressor=canonical_compressor(compressor),
+            draft_len=parse_draft_len(draft_len),
+            tier=TierSpec.parse(tier),
+        )
+
+    @classmethod
+    def from_namespace(cls, ns: argparse.Namespace) -> "VeriCacheConfig":
+        return cls.from_flags(
+            enabled=ns.vericache,
+            compressor=ns.vericache_compressor,
+            draft_len=ns.vericache_draft_len,
+            tier=ns.vericache_tier,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data, safe to pickle into SGLang's subprocesses and to log."""
+        d = asdict(self)
+        d["tier"] = str(self.tier)
+        d["draft_len"] = "auto" if self.draft_len is None else self.draft_len
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "VeriCacheConfig":
+        return cls(
+            enabled=bool(d["enabled"]),
+            compressor=str(d["compressor"]),
+            draft_len=parse_draft_len(str(d["draft_len"])),
+            tier=TierSpec.parse(str(d["tier"])),
+        )
+
+
+def add_cli_flags(parser: argparse.ArgumentParser) -> None:
+    """Add the VeriCache group to ``parser`` (SGLang's, or a private one for re-parsing)."""
+    group = parser.add_argument_group(
+        "VeriCache",
+        "Lossless decoding from a compressed KV cache: draft from the compressed cache, "
+        "verify against the full KV kept off the device.",
+    )
+    group.add_argument(
+        "--vericache",
+        action="store_true",
+        help="Enable VeriCache: keep a compressed KV on the device, the full KV in the tier.",
+    )
+    group.add_argument(
+        "--vericache-compressor",
+        default=DEFAULT_COMPRESSOR,
+        metavar="SPEC",
+        help="Compressor spec name:k=v,...; '+' composes (drop then quantize), e.g. "
+        "'streaming:sink=4,window=252', 'snapkv:ratio=0.25', 'kivi:bits=4', "
+        f"'snapkv:ratio=0.5+kivi:bits=4'. Default: {DEFAULT_COMPRESSOR}.",
+    )
+    group.add_argument(
+        "--vericache-draft-len",
+        default=DEFAULT_DRAFT_LEN,
+        metavar="N|auto",
+        help=f"Tokens drafted per verification (1..{MAX_DRAFT_LEN}), or 'auto' to adapt per "
+        "request from its acceptance history and the full-KV fetch time. Default: auto.",
+    )
+    group.add_argument(
+        "--vericache-tier",
+        default=DEFAULT_TIER,
+        metavar="TIER",
+        help="Where the full KV lives: 'host' (host memory), 'zmq://HOST:PORT' (the built-in KV "
+        "server, python -m sglang_vericache.tier.server), or 'lmcache://HOST:PORT'. "
+        "Default: host.",
+    )
+
+
+def parse_cli_flags(argv: list[str]) -> VeriCacheConfig:
+    """Parse only the ``--vericache*`` flags out of a full command line (others are ignored)."""
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    add_cli_flags(parser)
+    ns, _ = parser.parse_known_args(argv)
+    return VeriCacheConfig.from_namespace(ns)
+
+
+def is_vericache_flag(arg: str) -> bool:
+    """True for ``--vericache`` and ``--vericache-*`` (with or without ``=value``)."""
+    name = arg.split("=", 1)[0]
+    return name == "--vericache" or name.startswith("--vericache-")

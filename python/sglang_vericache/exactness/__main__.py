@@ -1,0 +1,140 @@
+"""Exactness harness: does a candidate server produce the same tokens as plain SGLang?
+
+    python -m sglang_vericache.exactness --prompts FILE.jsonl --max-new-tokens N \
+        [--concurrency C] [--temperature T] [--output summary.json] -- SERVER_ARGS...
+
+Starts a reference server (SERVER_ARGS without any ``--vericache*`` flag), sends every prompt,
+stops it; then the same for the candidate (SERVER_ARGS as given). Prints a JSON summary to
+stdout: per prompt identical or not, the first divergent position and the reference's top-1/
+top-2 log-prob margin there, and totals. Exit status: 0 all identical, 1 some divergent,
+2 bad usage or a server that would not start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import shlex
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Sequence
+
+from sglang_vericache.config import is_vericache_flag
+from sglang_vericache.exactness.client import Prompt, generate_all, load_prompts
+from sglang_vericache.exactness.compare import Generation, compare, summarize
+from sglang_vericache.exactness.server import SGLangServer, ServerStartError
+
+logger = logging.getLogger("sglang_vericache.exactness")
+
+
+def reference_args(server_args: Sequence[str]) -> list[str]:
+    """``server_args`` without ``--vericache`` and ``--vericache-*`` flags (and their values)."""
+    out: list[str] = []
+    skip_value = False
+    for arg in server_args:
+        if skip_value:
+            skip_value = False
+            if not arg.startswith("--"):
+                continue
+        if is_vericache_flag(arg):
+            skip_value = arg != "--vericache" and "=" not in arg
+            continue
+        out.append(arg)
+    return out
+
+
+def run_side(
+    name: str,
+    args: list[str],
+    prompts: Sequence[Prompt],
+    opts: argparse.Namespace,
+    with_top2: bool,
+) -> tuple[list[Generation], float]:
+    log_path = Path(opts.log_dir) / f"{name}.log"
+    logger.info("starting %s server: %s (log: %s)", name, shlex.join(args), log_path)
+    with SGLangServer(args, log_path=log_path, startup_timeout=opts.startup_timeout) as server:
+        t0 = time.perf_counter()
+        gens = generate_all(
+            server.url,
+            prompts,
+            max_new_tokens=opts.max_new_tokens,
+            temperature=opts.temperature,
+            concurrency=opts.concurrency,
+            with_top2=with_top2,
+        )
+        elapsed = time.perf_counter() - t0
+    logger.info("%s: %d prompts in %.1fs", name, len(prompts), elapsed)
+    return gens, elapsed
+
+
+def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
+    argv = list(argv)
+    if "--" not in argv:
+        server_args: list[str] = []
+    else:
+        cut = argv.index("--")
+        argv, server_args = argv[:cut], argv[cut + 1 :]
+    p = argparse.ArgumentParser(
+        prog="python -m sglang_vericache.exactness",
+        description="Compare a candidate SGLang server's greedy output with plain SGLang.",
+        epilog="Everything after '--' is passed to both servers (the reference gets it "
+        "without --vericache* flags).",
+    )
+    p.add_argument("--prompts", required=True, type=Path, help="JSONL: {id?, prompt|input_ids}")
+    p.add_argument("--max-new-tokens", required=True, type=int)
+    p.add_argument("--concurrency", type=int, default=1, help="requests in flight per server")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the contract)")
+    p.add_argument("--reference-extra", default="", help="extra args for the reference only")
+    p.add_argument("--candidate-extra", default="", help="extra args for the candidate only")
+    p.add_argument("--output", type=Path, help="also write the JSON summary here")
+    p.add_argument("--log-dir", default=None, help="server logs (default: a temp dir)")
+    p.add_argument("--startup-timeout", type=float, default=600.0)
+    opts = p.parse_args(argv)
+    if opts.max_new_tokens < 1 or opts.concurrency < 1:
+        p.error("--max-new-tokens and --concurrency must be >= 1")
+    opts.log_dir = opts.log_dir or tempfile.mkdtemp(prefix="vericache-exactness-")
+    return opts, server_args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="[exactness] %(message)s", stream=sys.stderr)
+    opts, server_args = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        prompts = load_prompts(opts.prompts)
+    except (OSError, ValueError) as exc:
+        print(f"error: --prompts: {exc}", file=sys.stderr)
+        return 2
+    ref_args = reference_args(server_args) + shlex.split(opts.reference_extra)
+    cand_args = list(server_args) + shlex.split(opts.candidate_extra)
+    try:
+        ref, ref_s = run_side("reference", ref_args, prompts, opts, with_top2=True)
+        cand, cand_s = run_side("candidate", cand_args, prompts, opts, with_top2=False)
+    except ServerStartError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    results = [compare(p.id, r, c) for p, r, c in zip(prompts, ref, cand)]
+    summary = summarize(
+        results,
+        reference_args=ref_args,
+        candidate_args=cand_args,
+        max_new_tokens=opts.max_new_tokens,
+        concurrency=opts.concurrency,
+        temperature=opts.temperature,
+        reference_seconds=round(ref_s, 2),
+        candidate_seconds=round(cand_s, 2),
+    )
+    text = json.dumps(summary, indent=2)
+    print(text)
+    if opts.output:
+        opts.output.write_text(text + "\n")
+    logger.info(
+        "%s: %d/%d prompts identical", summary["status"], summary["identical"], summary["total"]
+    )
+    return 0 if summary["status"] == "identical" else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

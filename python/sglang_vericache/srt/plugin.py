@@ -1,0 +1,127 @@
+"""The SGLang plugin (entry point group ``sglang.srt.plugins``): flags, defaults, validation.
+
+SGLang calls ``register()`` in every one of its processes (launcher, scheduler, detokenizer,
+...), so it must be idempotent and cheap. It only registers hooks; the hooks do the work:
+
+- ``ServerArgs.add_cli_args`` (AFTER): adds the "VeriCache" flag group, so the flags parse and
+  show in ``--help``.
+- ``prepare_server_args`` (AROUND): re-reads the ``--vericache*`` flags from argv, validates them
+  before anything loads (a bad value exits with status 2 and a message naming the flag), and
+  attaches the config to the ServerArgs record as ``_vericache``; underscore attributes survive
+  pickling into SGLang's subprocesses. With no ``--model-path`` it serves the embedded default
+  model (fetched and converted once; see ``sglang_vericache.models``).
+- resolution step ``handle_missing_default_values``: on our CPU platform, default ``--device``
+  to ``cpu`` (SGLang would otherwise ask the platform for a ``torch.device`` and choke on it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Any, Callable
+
+from sglang_vericache.config import (
+    VeriCacheConfig,
+    VeriCacheConfigError,
+    add_cli_flags,
+    parse_cli_flags,
+)
+
+logger = logging.getLogger(__name__)
+
+SERVER_ARGS_ATTR = "_vericache"
+_HOOK_SOURCE = "sglang_vericache"
+
+# SGLang loads plugins once per process, but Engine users and tests may call register() again;
+# hooks and resolution steps must not be stacked twice.
+_registered = False
+
+
+class VeriCacheUnavailableError(RuntimeError):
+    """``--vericache`` was asked for, but this build cannot serve it."""
+
+
+def _add_cli_args(result: Any, parser: argparse.ArgumentParser, *args: Any, **kw: Any) -> Any:
+    add_cli_flags(parser)
+    return result
+
+
+def _check_servable(config: VeriCacheConfig) -> None:
+    if config.enabled:
+        # Until the VERICACHE decoding worker lands, refuse rather than serve without it.
+        raise VeriCacheConfigError(
+            "--vericache",
+            "the VeriCache decoding worker is not part of this build yet (sglang-vericache "
+            "foundation release); serve without --vericache, or install a release that has it",
+        )
+
+
+def _prepare_server_args(original: Callable[..., Any], argv: list[str], *a: Any, **kw: Any) -> Any:
+    argv = list(argv)
+    if "-h" not in argv and "--help" not in argv:
+        try:
+            config = parse_cli_flags(argv)
+            _check_servable(config)
+        except VeriCacheConfigError as exc:
+            prog = "sglang serve" if "sglang" in sys.argv[0] else "sglang.launch_server"
+            argparse.ArgumentParser(prog=prog).error(str(exc))  # exits with status 2
+        argv = _with_default_model(argv)
+    else:
+        config = VeriCacheConfig()
+    server_args = original(argv, *a, **kw)
+    setattr(server_args, SERVER_ARGS_ATTR, config.to_dict())
+    return server_args
+
+
+def vericache_config(server_args: Any) -> VeriCacheConfig:
+    """The config carried by a ServerArgs record (disabled if it has none)."""
+    raw = getattr(server_args, SERVER_ARGS_ATTR, None)
+    return VeriCacheConfig() if raw is None else VeriCacheConfig.from_dict(raw)
+
+
+def _has_model_path(argv: list[str]) -> bool:
+    flags = ("--model-path", "--model")
+    return any(a in flags or a.split("=", 1)[0] in flags for a in argv) or "--config" in argv
+
+
+def _with_default_model(argv: list[str]) -> list[str]:
+    """``argv`` with ``--model-path`` pointing at the embedded default model when none is given."""
+    if _has_model_path(argv):
+        return argv
+    from sglang_vericache.models import DEFAULT_MODEL_NAME, ensure_default_model
+
+    path = str(ensure_default_model())
+    logger.warning("no --model-path given: serving the embedded %s (%s)", DEFAULT_MODEL_NAME, path)
+    return ["--model-path", path, *argv]
+
+
+def _cpu_device_default(server_args: Any, previous: Callable[[Any], None]) -> None:
+    from sglang.srt.arg_groups.overrides import declare_resolution, resolving_view
+    from sglang.srt.platforms import current_platform
+
+    from sglang_vericache.srt.platform import TorchCpuPlatform
+
+    if resolving_view(server_args).device is None and isinstance(
+        current_platform, TorchCpuPlatform
+    ):
+        declare_resolution(server_args, "vericache:cpu_platform", device="cpu")
+    previous(server_args)
+
+
+def register() -> None:
+    """Entry point: register the hooks once per process."""
+    global _registered
+    if _registered:
+        return
+    from sglang.srt.arg_groups.resolution_hooks import register_resolution_hook
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    HookRegistry.register(
+        "sglang.srt.server_args.ServerArgs.add_cli_args", _add_cli_args, HookType.AFTER
+    )
+    HookRegistry.register(
+        "sglang.srt.server_args.prepare_server_args", _prepare_server_args, HookType.AROUND
+    )
+    register_resolution_hook("handle_missing_default_values")(_cpu_device_default)
+    _registered = True
