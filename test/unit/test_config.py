@@ -1,0 +1,116 @@
+"""The --vericache* flags: parsing, validation messages, and the carry-over to subprocesses."""
+
+from __future__ import annotations
+
+import pytest
+
+from sglang_vericache.config import (
+    MAX_DRAFT_LEN,
+    TierKind,
+    TierSpec,
+    VeriCacheConfig,
+    VeriCacheConfigError,
+    is_vericache_flag,
+    parse_cli_flags,
+    parse_draft_len,
+)
+
+
+def test_defaults_are_valid_and_disabled() -> None:
+    cfg = parse_cli_flags([])
+    assert cfg.enabled is False
+    assert cfg.draft_len is None
+    assert cfg.tier == TierSpec(TierKind.HOST)
+    assert cfg.compressor  # canonical spelling of the default compressor
+
+
+def test_flags_parse_from_a_full_command_line() -> None:
+    argv = [
+        "--model-path", "m", "--vericache", "--vericache-compressor", "snapkv:ratio=0.5+kivi:bits=4",
+        "--vericache-draft-len", "16", "--vericache-tier=zmq://127.0.0.1:7300", "--port", "1",
+    ]  # fmt: skip
+    cfg = parse_cli_flags(argv)
+    assert cfg.enabled and cfg.draft_len == 16
+    assert cfg.tier == TierSpec(TierKind.ZMQ, "127.0.0.1", 7300)
+    assert "snapkv" in cfg.compressor and "kivi" in cfg.compressor
+
+
+@pytest.mark.parametrize(
+    "spec, expected",
+    [
+        ("host", TierSpec(TierKind.HOST)),
+        ("zmq://10.0.0.2:7300", TierSpec(TierKind.ZMQ, "10.0.0.2", 7300)),
+        ("lmcache://localhost:65432", TierSpec(TierKind.LMCACHE, "localhost", 65432)),
+        ("zmq://[::1]:7300", TierSpec(TierKind.ZMQ, "::1", 7300)),
+    ],
+)
+def test_tier_specs_round_trip(spec: str, expected: TierSpec) -> None:
+    parsed = TierSpec.parse(spec)
+    assert parsed == expected
+    assert TierSpec.parse(str(parsed)) == parsed
+
+
+@pytest.mark.parametrize(
+    "spec, fragment",
+    [
+        ("disk", "accepted: host"),
+        ("zmq://127.0.0.1", "lacks HOST:PORT"),
+        ("zmq://:7300", "lacks HOST:PORT"),
+        ("redis://127.0.0.1:6379", "accepted: host"),
+        ("zmq://127.0.0.1:70000", "not in 1..65535"),
+    ],
+)
+def test_bad_tier_names_the_flag_and_the_accepted_forms(spec: str, fragment: str) -> None:
+    with pytest.raises(VeriCacheConfigError) as err:
+        TierSpec.parse(spec)
+    assert err.value.flag == "--vericache-tier"
+    assert fragment in str(err.value)
+
+
+@pytest.mark.parametrize("value, expected", [("auto", None), ("1", 1), (str(MAX_DRAFT_LEN), 64)])
+def test_draft_len_accepts_auto_and_range(value: str, expected: int | None) -> None:
+    assert parse_draft_len(value) == expected
+
+
+@pytest.mark.parametrize("value", ["0", "-3", "65", "eight", "", "1.5"])
+def test_draft_len_rejects_out_of_range(value: str) -> None:
+    with pytest.raises(VeriCacheConfigError, match="--vericache-draft-len"):
+        parse_draft_len(value)
+
+
+def test_bad_compressor_names_the_flag_and_lists_valid_names() -> None:
+    with pytest.raises(VeriCacheConfigError) as err:
+        parse_cli_flags(["--vericache-compressor", "nonsense"])
+    msg = str(err.value)
+    assert msg.startswith("--vericache-compressor:")
+    for name in ("streaming", "snapkv", "kivi"):
+        assert name in msg
+
+
+def test_bad_compressor_key_lists_valid_keys() -> None:
+    with pytest.raises(VeriCacheConfigError) as err:
+        parse_cli_flags(["--vericache-compressor", "kivi:bitz=4"])
+    assert "bits" in str(err.value)
+
+
+def test_config_survives_the_dict_round_trip() -> None:
+    cfg = parse_cli_flags(
+        ["--vericache", "--vericache-draft-len", "8", "--vericache-tier", "lmcache://h:1"]
+    )
+    assert VeriCacheConfig.from_dict(cfg.to_dict()) == cfg
+    auto = parse_cli_flags([])
+    assert VeriCacheConfig.from_dict(auto.to_dict()) == auto
+
+
+@pytest.mark.parametrize(
+    "arg, expected",
+    [
+        ("--vericache", True),
+        ("--vericache-tier", True),
+        ("--vericache-draft-len=4", True),
+        ("--vericachex", False),
+        ("--model-path", False),
+    ],
+)
+def test_is_vericache_flag(arg: str, expected: bool) -> None:
+    assert is_vericache_flag(arg) is expected
