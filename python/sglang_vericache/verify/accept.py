@@ -1,0 +1,181 @@
+"""Greedy chain acceptance on token tensors (pure torch, no sglang).
+
+A verify row is ``[last committed token, d_1 .. d_n, padding]`` of width ``D``;
+the verify forward over the full KV predicts, at every position ``j``, the
+token that follows it: ``p_0 .. p_{D-1}``. Draft ``d_{j+1}`` is correct iff it
+equals ``p_j``. The committed tokens are ``p_0 .. p_k`` where ``k`` is the
+number of leading correct drafts: the accepted drafts (which equal
+``p_0 .. p_{k-1}``) followed by the correction (first mismatch) or the bonus
+token (every draft matched). So the committed tokens are always a prefix of
+the verifier's predictions, and greedy output equals full-KV decoding.
+
+Rows may carry fewer real drafts than ``D - 1`` (adaptive draft length, a
+draft stopped at EOS): ``draft_lens`` says how many; whatever sits after them
+is never read as a draft, whatever its value (so no padding sentinel).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "AcceptResult",
+    "greedy_accept",
+    "clip_draft_lens_at_stop",
+    "truncate_committed",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class AcceptResult:
+    """Outcome of greedy verification for a batch of ``bs`` chain drafts.
+
+    accept_lens: [bs] int32, committed tokens per row including the
+        correction/bonus token; always in ``[1, draft_lens[i] + 1]``. This is
+        SGLang's ``GenerationBatchResult.accept_lens``.
+    committed: [bs, D] same integer dtype as ``predict``; row ``i``'s first
+        ``accept_lens[i]`` entries are the committed tokens in order; entries
+        after them are the verifier's predictions at rejected positions and
+        must not be emitted (SGLang reads only the prefix). ``committed``
+        is ``predict`` itself (no copy).
+    bonus: [bs] bool, every real draft of the row was accepted, so the last
+        committed token is the bonus token rather than a correction.
+    """
+
+    accept_lens: torch.Tensor
+    committed: torch.Tensor
+    bonus: torch.Tensor
+
+    @property
+    def accepted_drafts(self) -> torch.Tensor:
+        """[bs] int32: drafts accepted per row (``accept_lens - 1``)."""
+        return self.accept_lens - 1
+
+    def committed_mask(self) -> torch.Tensor:
+        """[bs, D] bool: True at positions holding committed tokens."""
+        width = self.committed.shape[1]
+        pos = torch.arange(width, device=self.committed.device)
+        return pos.unsqueeze(0) < self.accept_lens.unsqueeze(1)
+
+    def row_tokens(self, row: int) -> list[int]:
+        """Committed tokens of one row as python ints (for tests, logging)."""
+        n = int(self.accept_lens[row])
+        return [int(t) for t in self.committed[row, :n].tolist()]
+
+
+def _check_integer(name: str, t: torch.Tensor) -> None:
+    if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+        raise TypeError(f"{name} must be an integer tensor, got {t.dtype}")
+
+
+def greedy_accept(
+    verify_tokens: torch.Tensor,
+    predict: torch.Tensor,
+    draft_lens: torch.Tensor | None = None,
+) -> AcceptResult:
+    """Accept the longest prefix of each draft that the verifier agrees with.
+
+    verify_tokens: [bs, D] integer, the verify input rows: column 0 is the
+        last committed token, columns ``1 .. draft_lens[i]`` the drafts.
+    predict: [bs, D] integer, the verifier's greedy prediction at each
+        position (``argmax`` of the TARGET_VERIFY logits reshaped to
+        ``[bs, D]``), same device as ``verify_tokens``.
+    draft_lens: [bs] integer, real drafts per row, each in ``[0, D - 1]``;
+        ``None`` means every row carries ``D - 1`` drafts.
+
+    Returns an :class:`AcceptResult`; inputs are not modified. Raises
+    ``ValueError`` on shape mismatch or out-of-range ``draft_lens``.
+    """
+    if verify_tokens.dim() != 2 or verify_tokens.shape != predict.shape:
+        raise ValueError(
+            f"verify_tokens {tuple(verify_tokens.shape)} and predict "
+            f"{tuple(predict.shape)} must both be [bs, D]"
+        )
+    _check_integer("verify_tokens", verify_tokens)
+    _check_integer("predict", predict)
+    bs, width = verify_tokens.shape
+    if width < 1:
+        raise ValueError("verify width D must be >= 1 (the last committed token)")
+    device = verify_tokens.device
+    if draft_lens is None:
+        lens = torch.full((bs,), width - 1, dtype=torch.int32, device=device)
+    else:
+        _check_integer("draft_lens", draft_lens)
+        if draft_lens.shape != (bs,):
+            raise ValueError(f"draft_lens must be [{bs}], got {tuple(draft_lens.shape)}")
+        if bs and (int(draft_lens.min()) < 0 or int(draft_lens.max()) > width - 1):
+            raise ValueError(f"draft_lens must lie in [0, {width - 1}]")
+        lens = draft_lens.to(device=device, dtype=torch.int32)
+    # match[i, j]: draft j+1 equals the verifier's prediction after position j,
+    # and is a real draft of the row (j < draft_lens[i]).
+    match = predict[:, : width - 1] == verify_tokens[:, 1:]
+    real = torch.arange(width - 1, device=device).unsqueeze(0) < lens.unsqueeze(1)
+    leading = (match & real).to(torch.int32).cumprod(dim=1).sum(dim=1, dtype=torch.int32)
+    accept_lens = (leading + 1).to(torch.int32)
+    return AcceptResult(accept_lens=accept_lens, committed=predict, bonus=leading == lens)
+
+
+def clip_draft_lens_at_stop(
+    drafts: torch.Tensor, draft_lens: torch.Tensor, stop_token_ids: torch.Tensor
+) -> torch.Tensor:
+    """Shorten draft lengths so that a draft ends at its first stop token.
+
+    The paper drafts "stopping early at EOS": tokens drafted after a stop
+    token can never be committed usefully, so they are not verified.
+
+    drafts: [bs, n] integer, drafted tokens (without the last committed token).
+    draft_lens: [bs] integer in ``[0, n]``, real drafts per row.
+    stop_token_ids: [k] integer (k may be 0), tokens that end generation.
+
+    Returns [bs] int32: ``min(draft_lens[i], 1 + index of the first stop
+    token among the real drafts of row i)``; the stop token itself is kept.
+    """
+    _check_integer("drafts", drafts)
+    _check_integer("draft_lens", draft_lens)
+    bs, n = drafts.shape
+    lens = draft_lens.to(dtype=torch.int32, device=drafts.device)
+    if stop_token_ids.numel() == 0 or n == 0:
+        return lens.clone()
+    is_stop = torch.isin(drafts, stop_token_ids.to(drafts.device))
+    pos = torch.arange(n, device=drafts.device, dtype=torch.int32).unsqueeze(0)
+    is_stop &= pos < lens.unsqueeze(1)
+    # Position of the first stop token, or n when there is none.
+    first = torch.where(is_stop, pos.expand(bs, n), torch.full_like(pos, n).expand(bs, n))
+    first_stop = first.min(dim=1).values
+    return torch.minimum(lens, torch.where(first_stop < n, first_stop + 1, lens))
+
+
+def truncate_committed(
+    committed: torch.Tensor,
+    accept_lens: torch.Tensor,
+    stop_token_ids: torch.Tensor | None = None,
+    remaining: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Cut each row's committed run at its first stop token and at a budget.
+
+    SGLang's ``update_finish_state`` already trims output after EOS, stop
+    strings and ``max_new_tokens``; this helper lets the worker avoid
+    appending KV (host tier, compressed window) and counting stats for tokens
+    that the scheduler will throw away. Stop *strings* are left to SGLang.
+
+    committed: [bs, D] integer, committed tokens (``AcceptResult.committed``).
+    accept_lens: [bs] integer in ``[1, D]``.
+    stop_token_ids: [k] integer or None; the stop token itself is kept.
+    remaining: [bs] integer >= 1 or None, tokens the request may still emit
+        (``max_new_tokens - len(output_ids)``).
+
+    Returns [bs] int32 lengths in ``[1, accept_lens[i]]``.
+    """
+    _check_integer("committed", committed)
+    _check_integer("accept_lens", accept_lens)
+    lens = accept_lens.to(dtype=torch.int32, device=committed.device)
+    if stop_token_ids is not None:
+        lens = clip_draft_lens_at_stop(committed, lens, stop_token_ids)
+    if remaining is not None:
+        _check_integer("remaining", remaining)
+        if remaining.numel() and int(remaining.min()) < 1:
+            raise ValueError("remaining must be >= 1 for a running request")
+        lens = torch.minimum(lens, remaining.to(dtype=torch.int32, device=committed.device))
+    return lens

@@ -1,0 +1,209 @@
+"""Per-request VeriCache counters and the server-wide aggregate.
+
+Pure python: the SGLang glue copies :meth:`VeriCacheStats.to_meta_info` into
+``meta_info["vericache"]`` and exports :class:`VeriCacheMetrics` to
+Prometheus; nothing here imports prometheus.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+from enum import Enum
+
+__all__ = [
+    "ACCEPT_LEN_BUCKETS",
+    "DecodeMode",
+    "VerifyRecord",
+    "VeriCacheStats",
+    "VeriCacheMetrics",
+]
+
+# Upper bounds (inclusive, Prometheus "le") of the acceptance-length histogram.
+# An acceptance length is the number of tokens one verification commits,
+# including the correction/bonus token, so it is >= 1. Fine-grained below 8
+# (CPU runs use x <= 8), then roughly geometric up to 64 (the paper runs
+# x = 30-40); everything longer lands in +Inf. Fixed so that dashboards and
+# runs stay comparable: change only together with the metric's name.
+ACCEPT_LEN_BUCKETS: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64)
+
+
+class DecodeMode(str, Enum):
+    """How a request is decoded."""
+
+    VERIFY = "vericache"  # drafted from the compressed KV, verified against the full KV
+    PLAIN = "plain"  # decoded exactly as without --vericache (e.g. temperature > 0)
+
+
+@dataclass(frozen=True, slots=True)
+class VerifyRecord:
+    """What one verification of one request did.
+
+    drafted: drafts in the verify row (>= 0).
+    committed: tokens committed, including the correction/bonus (in
+        ``[1, drafted + 1]``).
+    bytes_fetched: full-KV bytes brought to the device for it (>= 0).
+    wait_full_s: seconds the finished draft waited for the full KV (>= 0).
+    """
+
+    drafted: int
+    committed: int
+    bytes_fetched: int
+    wait_full_s: float
+
+    def __post_init__(self) -> None:
+        if self.drafted < 0:
+            raise ValueError(f"drafted must be >= 0, got {self.drafted}")
+        if not 1 <= self.committed <= self.drafted + 1:
+            raise ValueError(f"committed must be in [1, {self.drafted + 1}], got {self.committed}")
+        if self.bytes_fetched < 0 or self.wait_full_s < 0:
+            raise ValueError("bytes_fetched and wait_full_s must be >= 0")
+
+    @property
+    def accepted(self) -> int:
+        """Drafts accepted (committed minus the correction/bonus token)."""
+        return self.committed - 1
+
+
+@dataclass(slots=True)
+class VeriCacheStats:
+    """Counters of one request, cumulative over its life.
+
+    ``accepted <= drafted`` and ``committed == accepted + verify_steps`` hold
+    at all times (every verification commits exactly one non-draft token).
+    A PLAIN request keeps every counter at zero and names its reason.
+    """
+
+    mode: DecodeMode = DecodeMode.VERIFY
+    plain_reason: str = ""
+    drafted: int = 0
+    accepted: int = 0
+    committed: int = 0
+    verify_steps: int = 0
+    bytes_fetched: int = 0
+    wait_full_s: float = 0.0
+    fetch_failures: int = 0
+
+    @classmethod
+    def plain(cls, reason: str) -> VeriCacheStats:
+        """Stats of a request decoded without VeriCache (reason is shown to users)."""
+        if not reason:
+            raise ValueError("a plain-decoded request must say why")
+        return cls(mode=DecodeMode.PLAIN, plain_reason=reason)
+
+    def record(self, rec: VerifyRecord) -> None:
+        """Add one verification. Raises on a PLAIN request."""
+        if self.mode is not DecodeMode.VERIFY:
+            raise RuntimeError("a plain-decoded request has no verifications")
+        self.drafted += rec.drafted
+        self.accepted += rec.accepted
+        self.committed += rec.committed
+        self.verify_steps += 1
+        self.bytes_fetched += rec.bytes_fetched
+        self.wait_full_s += rec.wait_full_s
+
+    def record_fetch_failure(self) -> None:
+        """Count a failed full-KV transfer (the worker recomputed instead)."""
+        self.fetch_failures += 1
+
+    @property
+    def mean_accept_len(self) -> float:
+        """Mean tokens committed per verification (incl. bonus); 0.0 before any."""
+        return self.committed / self.verify_steps if self.verify_steps else 0.0
+
+    def to_meta_info(self) -> dict[str, object]:
+        """The ``meta_info["vericache"]`` dict: JSON-serialisable, stable keys."""
+        return {
+            "mode": self.mode.value,
+            "plain_reason": self.plain_reason,
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "committed": self.committed,
+            "verify_steps": self.verify_steps,
+            "mean_accept_len": round(self.mean_accept_len, 4),
+            "bytes_fetched": self.bytes_fetched,
+            "wait_full_s": round(self.wait_full_s, 6),
+            "fetch_failures": self.fetch_failures,
+        }
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError if the counters are inconsistent."""
+        counters = (self.drafted, self.accepted, self.committed, self.verify_steps,
+                    self.bytes_fetched, self.fetch_failures)
+        assert all(c >= 0 for c in counters), counters
+        assert self.wait_full_s >= 0.0
+        assert self.accepted <= self.drafted, (self.accepted, self.drafted)
+        assert self.committed == self.accepted + self.verify_steps
+        if self.mode is DecodeMode.PLAIN:
+            assert self.plain_reason, "plain mode needs a reason"
+            assert self.verify_steps == 0 and self.drafted == 0
+        else:
+            assert not self.plain_reason
+
+
+@dataclass(slots=True)
+class VeriCacheMetrics:
+    """Server-wide totals plus the acceptance-length histogram.
+
+    Not thread-safe: the scheduler process owns it and the glue reads it
+    between steps. Histogram semantics match Prometheus: ``bucket_counts[i]``
+    counts observations ``<= ACCEPT_LEN_BUCKETS[i]`` (cumulative via
+    :meth:`cumulative_buckets`), ``overflow`` those above the last bound.
+    """
+
+    drafted: int = 0
+    accepted: int = 0
+    committed: int = 0
+    verify_steps: int = 0
+    bytes_fetched: int = 0
+    wait_full_s: float = 0.0
+    fetch_failures: int = 0
+    requests_verify: int = 0
+    requests_plain: int = 0
+    bucket_counts: list[int] = field(default_factory=lambda: [0] * len(ACCEPT_LEN_BUCKETS))
+    overflow: int = 0
+
+    def observe_verify(self, rec: VerifyRecord) -> None:
+        """Add one verification of any request."""
+        self.drafted += rec.drafted
+        self.accepted += rec.accepted
+        self.committed += rec.committed
+        self.verify_steps += 1
+        self.bytes_fetched += rec.bytes_fetched
+        self.wait_full_s += rec.wait_full_s
+        i = bisect.bisect_left(ACCEPT_LEN_BUCKETS, rec.committed)
+        if i < len(ACCEPT_LEN_BUCKETS):
+            self.bucket_counts[i] += 1
+        else:
+            self.overflow += 1
+
+    def observe_fetch_failure(self) -> None:
+        """Count a failed full-KV transfer (fallback to recompute)."""
+        self.fetch_failures += 1
+
+    def observe_request(self, mode: DecodeMode) -> None:
+        """Count a request when it is admitted, by how it is decoded."""
+        if mode is DecodeMode.VERIFY:
+            self.requests_verify += 1
+        else:
+            self.requests_plain += 1
+
+    def cumulative_buckets(self) -> list[tuple[float, int]]:
+        """[(le, cumulative count)] including ``(inf, verify_steps)``."""
+        out: list[tuple[float, int]] = []
+        running = 0
+        for bound, count in zip(ACCEPT_LEN_BUCKETS, self.bucket_counts):
+            running += count
+            out.append((float(bound), running))
+        out.append((float("inf"), running + self.overflow))
+        return out
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError if totals and histogram disagree."""
+        assert len(self.bucket_counts) == len(ACCEPT_LEN_BUCKETS)
+        assert all(c >= 0 for c in self.bucket_counts) and self.overflow >= 0
+        assert sum(self.bucket_counts) + self.overflow == self.verify_steps
+        assert self.accepted <= self.drafted
+        assert self.committed == self.accepted + self.verify_steps
+        assert min(self.bytes_fetched, self.fetch_failures, self.requests_verify,
+                   self.requests_plain) >= 0 and self.wait_full_s >= 0.0

@@ -1,0 +1,167 @@
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from sglang_vericache.verify.accept import (
+    clip_draft_lens_at_stop,
+    greedy_accept,
+    truncate_committed,
+)
+
+
+def _reference_accept(row: list[int], pred: list[int], n: int) -> int:
+    """Accept length of one row, written the obvious way."""
+    k = 0
+    while k < n and row[k + 1] == pred[k]:
+        k += 1
+    return k + 1
+
+
+def _random_batch(rng: random.Random, bs: int, width: int, vocab: int):
+    """Drafts that agree with the verifier for a random number of tokens."""
+    pred = [[rng.randrange(vocab) for _ in range(width)] for _ in range(bs)]
+    rows, lens = [], []
+    for i in range(bs):
+        n = rng.randint(0, width - 1)
+        agree = rng.randint(0, n)
+        row = [rng.randrange(vocab)]
+        for j in range(width - 1):
+            if j < agree:
+                row.append(pred[i][j])
+            else:
+                row.append(rng.randrange(vocab))
+        rows.append(row)
+        lens.append(n)
+    return rows, pred, lens
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_accept_matches_reference_and_properties(seed: int) -> None:
+    rng = random.Random(seed)
+    bs, width, vocab = rng.randint(1, 9), rng.randint(1, 10), rng.choice([2, 3, 50])
+    rows, pred, lens = _random_batch(rng, bs, width, vocab)
+    res = greedy_accept(torch.tensor(rows), torch.tensor(pred),
+                        torch.tensor(lens, dtype=torch.int32))
+    assert res.accept_lens.dtype == torch.int32 and res.accept_lens.shape == (bs,)
+    for i in range(bs):
+        n_acc = int(res.accept_lens[i])
+        assert 1 <= n_acc <= lens[i] + 1
+        assert n_acc == _reference_accept(rows[i], pred[i], lens[i])
+        # Committed tokens are exactly the verifier's predictions.
+        assert res.row_tokens(i) == pred[i][:n_acc]
+        # The accepted drafts equal the committed tokens before the last.
+        assert rows[i][1:n_acc] == pred[i][: n_acc - 1]
+        if n_acc <= lens[i]:  # first mismatch handled: the next draft was wrong
+            assert rows[i][n_acc] != pred[i][n_acc - 1]
+            assert not bool(res.bonus[i])
+        else:
+            assert bool(res.bonus[i])
+        assert int(res.accepted_drafts[i]) == n_acc - 1
+    mask = res.committed_mask()
+    assert mask.sum(dim=1).tolist() == res.accept_lens.tolist()
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_draft_equal_to_predictions_is_fully_accepted_plus_bonus(seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    bs, width = 4, 7
+    pred = torch.randint(0, 1000, (bs, width), generator=gen)
+    rows = torch.cat([torch.randint(0, 1000, (bs, 1), generator=gen), pred[:, :-1]], dim=1)
+    res = greedy_accept(rows, pred)
+    assert res.accept_lens.tolist() == [width] * bs
+    assert res.bonus.all()
+    assert torch.equal(res.committed, pred)
+
+
+def test_padding_after_draft_lens_is_never_read() -> None:
+    pred = torch.tensor([[5, 6, 7, 8]])
+    lens = torch.tensor([1])
+    a = greedy_accept(torch.tensor([[1, 5, 6, 7]]), pred, lens)
+    b = greedy_accept(torch.tensor([[1, 5, 0, 0]]), pred, lens)
+    assert a.accept_lens.tolist() == b.accept_lens.tolist() == [2]
+    assert a.bonus.tolist() == [True]
+
+
+def test_no_drafts_commits_one_token() -> None:
+    res = greedy_accept(torch.tensor([[3], [4]]), torch.tensor([[9], [8]]))
+    assert res.accept_lens.tolist() == [1, 1]
+    assert res.row_tokens(1) == [8]
+    res = greedy_accept(torch.tensor([[3, 9]]), torch.tensor([[9, 2]]), torch.tensor([0]))
+    assert res.accept_lens.tolist() == [1] and res.bonus.tolist() == [True]
+
+
+def test_first_token_rejected() -> None:
+    res = greedy_accept(torch.tensor([[1, 2, 3]]), torch.tensor([[7, 3, 4]]))
+    assert res.accept_lens.tolist() == [1]
+    assert res.row_tokens(0) == [7]  # the correction
+    assert res.bonus.tolist() == [False]
+
+
+def test_mixed_integer_dtypes() -> None:
+    rows = torch.tensor([[1, 2, 3]], dtype=torch.int32)
+    pred = torch.tensor([[2, 3, 4]], dtype=torch.int64)
+    res = greedy_accept(rows, pred, torch.tensor([2], dtype=torch.int64))
+    assert res.accept_lens.tolist() == [3]
+    assert res.committed.dtype == torch.int64
+
+
+def test_invalid_inputs_raise() -> None:
+    with pytest.raises(ValueError):
+        greedy_accept(torch.zeros(2, 3, dtype=torch.long), torch.zeros(2, 4, dtype=torch.long))
+    with pytest.raises(ValueError):
+        greedy_accept(torch.zeros(3, dtype=torch.long), torch.zeros(3, dtype=torch.long))
+    with pytest.raises(TypeError):
+        greedy_accept(torch.zeros(2, 3), torch.zeros(2, 3))
+    with pytest.raises(ValueError):
+        greedy_accept(torch.zeros(1, 3, dtype=torch.long), torch.zeros(1, 3, dtype=torch.long),
+                      torch.tensor([3]))
+    with pytest.raises(ValueError):
+        greedy_accept(torch.zeros(1, 3, dtype=torch.long), torch.zeros(1, 3, dtype=torch.long),
+                      torch.tensor([0, 1]))
+
+
+def _reference_clip(row: list[int], n: int, stops: set[int]) -> int:
+    for j in range(n):
+        if row[j] in stops:
+            return j + 1
+    return n
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_clip_draft_lens_at_stop_matches_reference(seed: int) -> None:
+    rng = random.Random(seed)
+    bs, n = rng.randint(1, 6), rng.randint(0, 8)
+    drafts = [[rng.randrange(6) for _ in range(n)] for _ in range(bs)]
+    lens = [rng.randint(0, n) for _ in range(bs)]
+    stops = set(rng.sample(range(6), rng.randint(0, 2)))
+    got = clip_draft_lens_at_stop(torch.tensor(drafts, dtype=torch.long).view(bs, n),
+                                  torch.tensor(lens), torch.tensor(sorted(stops), dtype=torch.long))
+    assert got.dtype == torch.int32
+    assert got.tolist() == [_reference_clip(drafts[i], lens[i], stops) for i in range(bs)]
+
+
+def test_truncate_committed_at_stop_and_budget() -> None:
+    committed = torch.tensor([[4, 0, 5, 6], [4, 5, 6, 7], [0, 1, 2, 3]])
+    accept_lens = torch.tensor([4, 4, 2], dtype=torch.int32)
+    eos = torch.tensor([0])
+    assert truncate_committed(committed, accept_lens, eos).tolist() == [2, 4, 1]
+    remaining = torch.tensor([10, 3, 5])
+    assert truncate_committed(committed, accept_lens, eos, remaining).tolist() == [2, 3, 1]
+    assert truncate_committed(committed, accept_lens).tolist() == [4, 4, 2]
+    with pytest.raises(ValueError):
+        truncate_committed(committed, accept_lens, None, torch.tensor([0, 1, 1]))
+
+
+def test_accept_on_result_of_stop_clip_pipeline() -> None:
+    # Draft stopped at EOS (token 0): the verify row carries 2 real drafts.
+    drafts = torch.tensor([[3, 0, 9, 9]])
+    lens = clip_draft_lens_at_stop(drafts, torch.tensor([4]), torch.tensor([0]))
+    assert lens.tolist() == [2]
+    rows = torch.cat([torch.tensor([[7]]), drafts], dim=1)
+    pred = torch.tensor([[3, 0, 9, 9, 1]])
+    res = greedy_accept(rows, pred, lens)
+    assert res.accept_lens.tolist() == [3] and res.row_tokens(0) == [3, 0, 9]
+    assert truncate_committed(res.committed, res.accept_lens, torch.tensor([0])).tolist() == [2]

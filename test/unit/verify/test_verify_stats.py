@@ -1,0 +1,96 @@
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from sglang_vericache.verify.stats import (
+    ACCEPT_LEN_BUCKETS,
+    DecodeMode,
+    VeriCacheMetrics,
+    VeriCacheStats,
+    VerifyRecord,
+)
+
+
+def test_buckets_are_fixed_and_sorted() -> None:
+    assert ACCEPT_LEN_BUCKETS == (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64)
+    assert list(ACCEPT_LEN_BUCKETS) == sorted(set(ACCEPT_LEN_BUCKETS))
+
+
+def test_record_validation() -> None:
+    for bad in (dict(drafted=-1, committed=1), dict(drafted=2, committed=0),
+                dict(drafted=2, committed=4)):
+        with pytest.raises(ValueError):
+            VerifyRecord(bytes_fetched=0, wait_full_s=0.0, **bad)
+    with pytest.raises(ValueError):
+        VerifyRecord(drafted=1, committed=1, bytes_fetched=-1, wait_full_s=0.0)
+
+
+def test_request_stats_and_meta_info() -> None:
+    s = VeriCacheStats()
+    s.check_integrity()
+    s.record(VerifyRecord(drafted=4, committed=5, bytes_fetched=100, wait_full_s=0.25))
+    s.check_integrity()
+    s.record(VerifyRecord(drafted=4, committed=2, bytes_fetched=50, wait_full_s=0.0))
+    s.record_fetch_failure()
+    s.check_integrity()
+    meta = s.to_meta_info()
+    assert json.loads(json.dumps(meta)) == meta
+    assert meta == {"mode": "vericache", "plain_reason": "", "drafted": 8, "accepted": 5,
+                    "committed": 7, "verify_steps": 2, "mean_accept_len": 3.5,
+                    "bytes_fetched": 150, "wait_full_s": 0.25, "fetch_failures": 1}
+
+
+def test_plain_request_says_why() -> None:
+    s = VeriCacheStats.plain("temperature > 0: decoded without VeriCache")
+    s.check_integrity()
+    meta = s.to_meta_info()
+    assert meta["mode"] == "plain" and meta["plain_reason"].startswith("temperature")
+    assert meta["verify_steps"] == 0 and meta["mean_accept_len"] == 0.0
+    with pytest.raises(RuntimeError):
+        s.record(VerifyRecord(drafted=1, committed=1, bytes_fetched=0, wait_full_s=0.0))
+    with pytest.raises(ValueError):
+        VeriCacheStats.plain("")
+    s.check_integrity()
+
+
+def test_histogram_bucket_placement() -> None:
+    m = VeriCacheMetrics()
+    for committed in (1, 2, 7, 8, 9, 64, 65, 200):
+        m.observe_verify(VerifyRecord(drafted=committed - 1 + 3, committed=committed,
+                                      bytes_fetched=1, wait_full_s=0.1))
+        m.check_integrity()
+    cum = dict(m.cumulative_buckets())
+    assert cum[1.0] == 1 and cum[2.0] == 2 and cum[6.0] == 2 and cum[8.0] == 4
+    assert cum[12.0] == 5 and cum[64.0] == 6 and cum[float("inf")] == 8
+    assert m.overflow == 2 and m.committed == sum((1, 2, 7, 8, 9, 64, 65, 200))
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_metrics_agree_with_per_request_stats(seed: int) -> None:
+    rng = random.Random(seed)
+    m = VeriCacheMetrics()
+    per_request = [VeriCacheStats() for _ in range(5)]
+    for s in per_request:
+        m.observe_request(DecodeMode.VERIFY)
+    m.observe_request(DecodeMode.PLAIN)
+    for _ in range(200):
+        drafted = rng.randint(0, 70)
+        rec = VerifyRecord(drafted=drafted, committed=rng.randint(1, drafted + 1),
+                           bytes_fetched=rng.randint(0, 10**6), wait_full_s=rng.random())
+        s = rng.choice(per_request)
+        s.record(rec)
+        m.observe_verify(rec)
+        if rng.random() < 0.05:
+            s.record_fetch_failure()
+            m.observe_fetch_failure()
+        s.check_integrity()
+        m.check_integrity()
+    for field in ("drafted", "accepted", "committed", "verify_steps", "bytes_fetched",
+                  "fetch_failures"):
+        assert getattr(m, field) == sum(getattr(s, field) for s in per_request)
+    assert m.wait_full_s == pytest.approx(sum(s.wait_full_s for s in per_request))
+    assert (m.requests_verify, m.requests_plain) == (5, 1)
+    assert m.cumulative_buckets()[-1][1] == m.verify_steps
