@@ -2,7 +2,20 @@
 policy, staggered verification with the two resource rings, and stats.
 
 Pure python + torch (torch only in ``accept``); no sglang import. The SGLang
-spec worker (``sglang_vericache.srt.spec_worker``) drives these each step.
+spec worker (``sglang_vericache.srt.spec_worker``) drives these each step
+(``test/unit/verify/test_verify_loop.py`` runs exactly this sequence)::
+
+    plan = sched.step(t, n_active)                     # StaggerScheduler
+    for wp in plan.planned:   windows[wp.rid].retarget(wp.draft_len)
+    for rid in plan.start_fetch:  submit the tier fetch; windows[rid].start_fetch(nbytes)
+    poll the tier:            windows[rid].fetch_done(now) / fetch_failed(now)
+    for rid in plan.verify:   end_draft(now) if still DRAFT; verify if ready_to_verify()
+    everyone else in DRAFT with draft_room > 0: draft one token -> add_drafts([tok])
+    verify rows [last, d1..dn, pad] -> greedy_accept(rows, predict, draft_lens)
+                              -> truncate_committed(...) (EOS / max_new_tokens)
+    per verified request:     begin_verify(); rec = resolve(tokens); metrics.observe_verify(rec)
+                              estimate.update(rec.drafted, rec.accepted); sched.complete(rid)
+                              finish() | settle(policy.choose(query)); sched.submit(rid, t+1, ...)
 """
 
 from __future__ import annotations
@@ -22,6 +35,7 @@ from sglang_vericache.verify.policy import (
     DraftQuery,
     FixedDraftLength,
     expected_committed,
+    policy_for,
 )
 from sglang_vericache.verify.rings import (
     Reservation,
@@ -75,5 +89,6 @@ __all__ = [
     "clip_draft_lens_at_stop",
     "expected_committed",
     "greedy_accept",
+    "policy_for",
     "truncate_committed",
 ]

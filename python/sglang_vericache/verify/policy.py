@@ -31,6 +31,7 @@ __all__ = [
     "AcceptanceConfig",
     "AcceptanceEstimate",
     "expected_committed",
+    "policy_for",
 ]
 
 
@@ -169,6 +170,14 @@ class AdaptiveDraftLength(DraftLengthPolicy):
             if expected * best_t >= best_e * t:
                 best_x, best_e, best_t = x, expected, t
         return best_x
+
+
+def policy_for(draft_len: int | None, min_len: int = 2, max_len: int = 32) -> DraftLengthPolicy:
+    """The policy for ``VeriCacheConfig.draft_len``: an int -> fixed, None
+    ("auto") -> adaptive over ``[min_len, max_len]``."""
+    if draft_len is None:
+        return AdaptiveDraftLength(min_len=min_len, max_len=max_len)
+    return FixedDraftLength(draft_len)
 
 
 @dataclass(frozen=True, slots=True)
