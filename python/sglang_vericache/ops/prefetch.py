@@ -1,0 +1,116 @@
+"""Asynchronous host -> device copies of a verification's full KV, overlapped with drafting.
+
+On CUDA each task's copies run on one side stream from caller-owned pinned host buffers into
+caller-owned device buffers, ordered by events: the side stream first waits for the work already
+queued on the submitting stream (so a destination still read by earlier kernels is not
+overwritten), then a completion event is recorded. poll() queries events and never blocks.
+Off CUDA (CPU devices) the copy runs synchronously inside submit() and completes at once, so the
+same submit/poll loop drives both.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+CopyPair = tuple[torch.Tensor, torch.Tensor]  # (host source, device destination), same shape
+
+
+@dataclass(slots=True)
+class _Task:
+    pairs: tuple[CopyPair, ...]
+    done_event: torch.cuda.Event | None
+    nbytes: int
+
+
+class FullKVPrefetcher:
+    """submit/poll full-KV copies with task ids; each finished id is returned by poll() once.
+
+    device: where the destinations live. Mutates nothing but its own task table; the tensors
+    in a task must stay untouched by the caller until poll() has returned that task's id.
+    Not thread-safe: drive it from the scheduler thread.
+    """
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.device = torch.device(device)
+        self._stream: torch.cuda.Stream | None = (
+            torch.cuda.Stream(device=self.device) if self.device.type == "cuda" else None)
+        self._ids = itertools.count()
+        self._in_flight: dict[int, _Task] = {}
+        self._finished: list[int] = []
+        self.bytes_submitted = 0
+
+    @property
+    def is_async(self) -> bool:
+        """True when copies run on a side CUDA stream (False: synchronous CPU fallback)."""
+        return self._stream is not None
+
+    def submit(self, pairs: Sequence[CopyPair]) -> int:
+        """Queue copies of host sources into device destinations; returns a new task id.
+
+        pairs: (src, dst) with equal shapes and dtypes; src on the host (pinned for a truly
+        asynchronous copy), dst on self.device. Never blocks on CUDA.
+        """
+        checked = tuple(self._check_pair(src, dst) for src, dst in pairs)
+        task_id = next(self._ids)
+        nbytes = sum(src.numel() * src.element_size() for src, _ in checked)
+        self.bytes_submitted += nbytes
+        if self._stream is None:
+            for src, dst in checked:
+                dst.copy_(src)
+            self._finished.append(task_id)
+            return task_id
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._stream):
+            for src, dst in checked:
+                dst.copy_(src, non_blocking=True)
+                dst.record_stream(self._stream)
+            done = torch.cuda.Event()
+            done.record(self._stream)
+        self._in_flight[task_id] = _Task(checked, done, nbytes)
+        return task_id
+
+    def poll(self) -> list[int]:
+        """Ids of tasks finished since the last poll, oldest first; never blocks."""
+        for task_id in list(self._in_flight):
+            task = self._in_flight[task_id]
+            if task.done_event is None or task.done_event.query():
+                del self._in_flight[task_id]
+                self._finished.append(task_id)
+        ready, self._finished = self._finished, []
+        return ready
+
+    def order_after(self, task_id: int, stream: torch.cuda.Stream | None = None) -> None:
+        """Make `stream` (default: current) wait for an in-flight task on the device, without
+        blocking the host, so a verify forward can be queued before the copy ends."""
+        task = self._in_flight.get(task_id)
+        if task is None or task.done_event is None:
+            return
+        (stream or torch.cuda.current_stream(self.device)).wait_event(task.done_event)
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._in_flight)
+
+    def check_integrity(self) -> None:
+        """Every id is in at most one state; in-flight tasks have events exactly when async."""
+        if set(self._in_flight) & set(self._finished):
+            raise AssertionError("a task is both in flight and finished")
+        if len(set(self._finished)) != len(self._finished):
+            raise AssertionError("a finished task is queued twice")
+        for task in self._in_flight.values():
+            if (task.done_event is None) == self.is_async:
+                raise AssertionError("in-flight task event disagrees with the mode")
+
+    def _check_pair(self, src: torch.Tensor, dst: torch.Tensor) -> CopyPair:
+        if src.shape != dst.shape or src.dtype != dst.dtype:
+            raise ValueError("source and destination must share shape and dtype")
+        if dst.device != self.device and not (dst.device.type == self.device.type == "cuda"
+                                              and self.device.index is None):
+            raise ValueError(f"destination must be on {self.device}")
+        if src.device.type != "cpu":
+            raise ValueError("source must be a host tensor")
+        return src, dst

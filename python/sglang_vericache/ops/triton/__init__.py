@@ -1,0 +1,1 @@
+"""Triton kernels (shipped inside the package). Import lazily: Triton is optional on CPU."""
