@@ -210,22 +210,23 @@ class VerifyWindow:
         self._window_wait_s = 0.0
         self._fetch_failures_window = 0
 
-    def finish(self) -> bool:
+    def finish(self) -> FetchState:
         """Any phase but VERIFY/FINISHED -> FINISHED.
 
-        Returns True when a fetch was still IN_FLIGHT: the caller must still
-        poll it to completion and free its buffer (the tier returns every
-        result exactly once).
+        Returns the fetch state it had: IN_FLIGHT means the caller must still
+        poll the transfer to completion (the tier returns every result exactly
+        once) and free its buffer; RESIDENT means the transient full KV is
+        still on the device and the caller frees it; NONE means nothing to do.
         """
         self._require(Phase.DRAFT, Phase.AWAIT_FULL, Phase.COMMIT, Phase.ROLLBACK,
                       action="finish")
-        in_flight = self.fetch is FetchState.IN_FLIGHT
+        had = self.fetch
         self.phase = Phase.FINISHED
         self._drafts.clear()
         self.fetch = FetchState.NONE
         self.fetch_bytes = 0
         self._await_since = None
-        return in_flight
+        return had
 
     # --------------------------------------------------------------- integrity
     def check_integrity(self) -> None:

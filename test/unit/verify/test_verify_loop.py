@@ -71,7 +71,7 @@ def run(seed: int, draft_len: int | None, miss_rate: float, fetch_latency: int) 
 
     def draft_next(rid: str, seq: list[int]) -> int:
         tok = target_next(seq)
-        if random.Random(hash((seed, rid, len(seq), windows[rid].stats.verify_steps))).random() \
+        if random.Random(f"{seed}/{rid}/{len(seq)}/{windows[rid].stats.verify_steps}").random() \
                 < miss_rate:
             tok = (tok + 1) % VOCAB
         return tok

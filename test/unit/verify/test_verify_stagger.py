@@ -19,6 +19,7 @@ def _simulate(sched: StaggerScheduler, n: int, x: int, steps: int, demand: Trans
     fetch_began: dict[str, int] = {}
     verified_at: dict[str, list[int]] = defaultdict(list)
     per_step: list[int] = []
+    all_plans = []
     for i in range(n):
         sched.submit(f"r{i}", 0, x, demand)
         sched.check_integrity()
@@ -26,6 +27,7 @@ def _simulate(sched: StaggerScheduler, n: int, x: int, steps: int, demand: Trans
         plan = sched.step(t, n)
         sched.check_integrity()
         for wp in plan.planned:
+            all_plans.append(wp)
             windows[wp.rid] = (wp.start_step, wp.verify_step)
             assert wp.draft_len == min(wp.verify_step - wp.start_step, sched.config.max_len)
         for rid in plan.start_fetch:
@@ -47,7 +49,7 @@ def _simulate(sched: StaggerScheduler, n: int, x: int, steps: int, demand: Trans
             sched.check_integrity()
             done += 1
         per_step.append(done)
-    return windows, verified_at, per_step
+    return all_plans, verified_at, per_step
 
 
 def test_search_order() -> None:
@@ -61,7 +63,9 @@ def test_steady_state_counts_windows_and_no_starvation(n: int, x: int) -> None:
     cfg = StaggerConfig(min_len=1, max_len=2 * x + 2, rings=GENEROUS)
     sched = StaggerScheduler(cfg)
     steps = 40 * (x + 1)
-    windows, verified_at, per_step = _simulate(sched, n, x, steps, TransferDemand(1000, 1000))
+    plans, verified_at, per_step = _simulate(sched, n, x, steps, TransferDemand(1000, 1000))
+    for wp in plans:  # every window is planned inside [start + min_len, start + max_len]
+        assert cfg.min_len <= wp.verify_step - wp.start_step <= cfg.max_len
     cap = sched.cap(n, x)
     assert max(per_step) <= cap
     warm = per_step[2 * (x + 1):]

@@ -92,12 +92,18 @@ def test_resolve_rejects_committed_that_contradicts_drafts() -> None:
 def test_finish_reports_fetch_in_flight() -> None:
     w = VerifyWindow("r", target_len=2)
     w.start_fetch(5)
-    assert w.finish() is True
+    assert w.finish() is FetchState.IN_FLIGHT
     w.check_integrity()
     with pytest.raises(IllegalTransition):
         w.add_drafts([1])
     v = VerifyWindow("s", target_len=2)
-    assert v.finish() is False
+    assert v.finish() is FetchState.NONE
+    u = VerifyWindow("u", target_len=0)
+    u.start_fetch(1)
+    u.fetch_done(0.0)
+    u.end_draft(0.0)
+    assert u.finish() is FetchState.RESIDENT
+    u.check_integrity()
 
 
 def test_illegal_basics() -> None:
