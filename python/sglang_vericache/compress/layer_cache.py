@@ -1,0 +1,138 @@
+"""Decode-time growth of one layer's compressed KV: a recent full-precision window + periodic folds.
+
+Newly committed tokens (their exact KV from the verify pass) are appended to a pending window in
+full precision. Whenever the window holds ``fold_every`` tokens they are folded into the compressed
+body by ``Compressor.extend``: droppers re-select over body + new tokens with the budget of the
+grown sequence, quantizers quantize the whole groups that leave their residual window, a
+composition thins the chunk then quantizes. The state after appending a token sequence does not
+depend on how the appends were chunked, so long generations stay within budget deterministically.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from sglang_vericache.compress.attend import attend
+from sglang_vericache.compress.base import CompressedKV, Compressor, Observation
+
+
+class CompressedLayerCache:
+    """Compressed KV of one layer of one request that grows during decoding.
+
+    Not thread-safe: one owner (the request's scheduler step) mutates it through ``append``.
+    ``version`` increases whenever the view changes other than by appending at its end (a fold);
+    while it is unchanged, ``view()`` only ever grows at the end, so a caller may mirror it
+    incrementally (the benchmark's batched draft buffers do).
+    """
+
+    def __init__(self, compressor: Compressor, layer_id: int, compressed: CompressedKV, *,
+                 num_layers: int | None = None, fold_every: int = 32, obs_window: int = 32) -> None:
+        if fold_every < 1 or obs_window < 0:
+            raise ValueError("fold_every must be >= 1 and obs_window >= 0")
+        self.compressor = compressor
+        self.layer_id = layer_id
+        self.num_layers = num_layers
+        self.fold_every = fold_every
+        self.obs_window = obs_window
+        self.version = 0
+        self._compressed = compressed
+        h, d = compressed.num_heads, compressed.head_dim
+        dev, dt = compressed.residual_keys.device, compressed.dtype
+        self._keys = torch.empty(h, 0, d, dtype=dt, device=dev)  # pending window [H_kv, w, D]
+        self._values = torch.empty(h, 0, d, dtype=dt, device=dev)
+        self._positions = torch.empty(0, dtype=torch.int64, device=dev)  # [w]
+        self._queries: Tensor | None = None  # last obs_window committed queries [H_q, <=W, D]
+        self._query_positions: Tensor | None = None
+
+    @property
+    def compressed(self) -> CompressedKV:
+        """The compressed body (replaced, never mutated, on each fold)."""
+        return self._compressed
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens covered (kept or dropped) by body + window."""
+        return self._compressed.num_tokens + self._positions.numel()
+
+    @property
+    def num_pending(self) -> int:
+        return self._positions.numel()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes stored: the body's exact bytes + the full-precision window (not the observation)."""
+        return self._compressed.nbytes + 2 * self._keys.numel() * self._keys.element_size()
+
+    def observation(self) -> Observation:
+        return Observation(queries=self._queries, query_positions=self._query_positions,
+                           num_layers=self.num_layers)
+
+    def append(self, keys: Tensor, values: Tensor, positions: Tensor, queries: Tensor | None = None) -> None:
+        """Appends newly committed tokens.
+
+        keys, values: [H_kv, n, D] in the KV dtype (keys post-RoPE); positions: [n] int64, each
+        greater than every position already covered. queries: [H_q, n, D] post-RoPE queries of the
+        same tokens, kept (last ``obs_window``) for the scorers of later folds; droppers that score
+        by attention (snapkv, h2o) need them.
+        """
+        if keys.shape != values.shape or keys.dim() != 3 or keys.shape[1] != positions.numel():
+            raise ValueError("append: keys/values [H_kv, n, D] and positions [n] must match")
+        if positions.numel() == 0:
+            return
+        positions = positions.to(torch.int64)
+        if int(positions[0]) < self.num_tokens or bool((positions.diff() <= 0).any()):
+            raise ValueError("append: positions must increase and follow the covered tokens")
+        if queries is not None:
+            if queries.dim() != 3 or queries.shape[1] != positions.numel():
+                raise ValueError("append: queries must be [H_q, n, D]")
+            qs = queries if self._queries is None else torch.cat([self._queries, queries], dim=1)
+            qp = positions if self._query_positions is None else torch.cat([self._query_positions, positions])
+            self._queries, self._query_positions = qs[:, -self.obs_window :], qp[-self.obs_window :]
+        self._keys = torch.cat([self._keys, keys.to(self._keys.dtype)], dim=1)
+        self._values = torch.cat([self._values, values.to(self._values.dtype)], dim=1)
+        self._positions = torch.cat([self._positions, positions])
+        while self._positions.numel() >= self.fold_every:
+            f = self.fold_every
+            self._compressed = self.compressor.extend(
+                self.layer_id, self._compressed, self._keys[:, :f], self._values[:, :f],
+                self._positions[:f], self.observation(),
+            )
+            self._keys, self._values = self._keys[:, f:], self._values[:, f:]
+            self._positions = self._positions[f:]
+            self.version += 1
+
+    def view(self) -> tuple[Tensor, Tensor, Tensor]:
+        """(keys, values [H_kv, T_view, D] in the KV dtype, positions [H_kv, T_view] int64)."""
+        ck, cv = self._compressed.dequantize()
+        h = ck.shape[0]
+        pos = torch.cat([self._compressed.positions, self._positions.expand(h, -1)], dim=1)
+        return torch.cat([ck, self._keys], dim=1), torch.cat([cv, self._values], dim=1), pos
+
+    def attend(self, q: Tensor, q_positions: Tensor, scale: float) -> Tensor:
+        """Reference attention of q [H_q, n, D] (positions [n]) over the view; [H_q, n, D]."""
+        keys, values, positions = self.view()
+        return attend(q, q_positions, keys, values, positions, scale)
+
+    def check_integrity(self) -> None:
+        """Raises AssertionError if the internal state is inconsistent."""
+        c = self._compressed
+        assert self._keys.shape == self._values.shape, "window keys/values differ in shape"
+        assert self._keys.shape[1] == self._positions.numel(), "window positions out of sync"
+        assert self._positions.numel() < self.fold_every, "window not folded"
+        pos = c.positions
+        assert pos.shape == (c.num_heads, c.num_kept), "kept positions shape"
+        if c.num_kept > 1:
+            assert bool((pos.diff(dim=1) > 0).all()), "kept positions not increasing per head"
+        if c.num_kept:
+            assert int(pos.max()) < c.num_tokens, "kept position beyond covered tokens"
+        if self._positions.numel():
+            assert int(self._positions[0]) >= c.num_tokens, "window overlaps the body"
+            assert bool((self._positions.diff() > 0).all()), "window positions not increasing"
+        stored = c.block.nbytes if c.block is not None else 0
+        stored += 2 * c.residual_keys.numel() * c.residual_keys.element_size()
+        if c.kept_positions is not None:
+            stored += c.kept_positions.numel() * c.kept_positions.element_size()
+        assert stored == c.nbytes, "nbytes does not match the stored tensors"
+        if self._queries is not None:
+            assert self._queries.shape[1] == self._query_positions.numel() <= max(self.obs_window, 0)
