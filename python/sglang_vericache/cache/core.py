@@ -77,7 +77,7 @@ class TreeCore:
     ) -> TieredNode:
         """Attach an empty unlocked leaf (the caller gives it KV in the same operation)."""
         node = TieredNode(next(self._node_ids), namespace, tokens, parent)
-        node.last_access = parent.last_access if not parent.is_root else self._clock
+        node.last_access = self._clock
         parent.children[node.child_key(self.page_size)] = node
         self._refresh_leaf(parent)
         return node

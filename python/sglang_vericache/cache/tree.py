@@ -144,8 +144,8 @@ class TieredRadixTree(TransferOps):
         Mutates: splits the node where the tokens diverge mid-node; creates nodes for the
         uncached tail; nodes on the path without compressed KV adopt the caller's pages;
         nodes without a tier handle (and no write in flight) adopt the caller's keys in
-        ``full_state``; a NONE handle is promoted when ``full_state`` is STORED; touches the path (LRU). Existing
-        compressed pages and tier handles are never replaced.
+        ``full_state``; a NONE handle is promoted when ``full_state`` is STORED; touches the
+        path (LRU). Existing compressed pages and tier handles are never replaced.
 
         full_state: NONE (the caller will write the full KV: see ``InsertResult.to_write``)
             or STORED (already in the tier, e.g. written by another server). Inserting without

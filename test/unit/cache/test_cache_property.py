@@ -124,7 +124,8 @@ def run_random(seed: int, page_size: int, steps: int) -> dict[str, int]:
             full = not compressed or rng.random() < 0.8
             state = FullState.STORED if (not compressed or rng.random() < 0.3) else FullState.NONE
             if compressed:
-                need = len(toks) // page_size - h.tree.match(toks, namespace=ns).compressed_len // page_size
+                cached = h.tree.match(toks, namespace=ns).compressed_len
+                need = (len(toks) - cached) // page_size
                 if not h.pool.can_alloc(need * h.slots_per_page):
                     h.evict(need * h.slots_per_page - h.pool.available_size())
                     oracle.check_tree(h)
