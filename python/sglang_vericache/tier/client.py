@@ -1,0 +1,436 @@
+"""ZmqTier: the client of the zmq KV server (``server.py``), submit/poll over a background thread.
+
+One I/O thread owns the DEALER socket (zmq sockets are not thread-safe); callers only touch
+locked Python structures and wake the thread through a pipe, so submit_*/poll/cancel never
+wait for the network. The thread builds manifests (per-layer checksums) for puts, sends
+payload frames zero-copy from the caller's CPU tensors, verifies every fetched chunk
+(namespace, size, per-layer checksums) before copying it into the caller's tensor, and
+turns timeouts and disconnects into FAILED results.
+
+Failure detection: a request that got no reply by its deadline fails (``timeouts``); a lost
+connection (socket monitor, plus ZMTP heartbeats for silent peers) fails every request
+already sent on it at once (``disconnects``); with no server connected, requests wait at
+most ``connect_timeout_s`` (the server unreachable at start-up). libzmq reconnects by itself,
+so a restarted server is used again without action from the caller.
+
+A put whose task already failed may still leave zmq's queue later, reading the caller's
+tensor as it is then; its checksums were computed at submit time, so the server rejects
+it as corrupt if the tensor has changed meanwhile: wrong KV can never be stored.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from sglang_vericache.tier.base import (
+    FullKVTier, TaskId, TaskKind, TaskResult, TaskStatus, check_batch, prefix_closed,
+)
+from sglang_vericache.tier.geometry import KVGeometry
+from sglang_vericache.tier.keys import ChunkKey
+from sglang_vericache.tier.protocol import (
+    PROTOCOL_VERSION, ChunkManifest, Op, ProtocolError, PutStatus, check_mac, require, seal,
+    unpack_header,
+)
+
+logger = logging.getLogger("sglang_vericache.tier.client")
+
+_COUNTERS = ("submitted", "completed", "failures", "timeouts", "disconnects", "unreachable",
+             "checksum_mismatch", "geometry_mismatch", "protocol_errors", "server_errors",
+             "cancelled", "late_replies", "fallbacks", "put_rejected", "chunks_put",
+             "chunks_fetched", "chunks_missed", "bytes_sent", "bytes_received")
+
+
+def tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """Zero-copy byte view of a contiguous CPU tensor (works for bf16/fp8 too)."""
+    return memoryview(tensor.view(torch.uint8).reshape(-1).numpy())
+
+
+@dataclass(eq=False)
+class _Task:
+    task_id: TaskId
+    kind: TaskKind
+    keys: list[ChunkKey]
+    tensors: list[torch.Tensor]
+    deadline: float
+    connect_deadline: float
+    sent: bool = False
+    cancelled: bool = False
+    frames: list[Any] | None = None  # built once (checksums), resent while unconnected
+    copy_lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class ZmqTier(FullKVTier):
+    """Client of one zmq KV server at ``endpoint`` ("tcp://HOST:PORT"). Thread-safe.
+
+    timeout_s: a request without a reply after this long fails.
+    connect_timeout_s: a request that could not be sent (no server) fails after this long.
+    secret: shared secret (>= 16 bytes) when the server has one; replies are verified too.
+    """
+
+    def __init__(self, endpoint: str, geometry: KVGeometry, *, timeout_s: float = 30.0,
+                 connect_timeout_s: float = 2.0, secret: bytes | None = None) -> None:
+        if timeout_s <= 0 or connect_timeout_s <= 0:
+            raise ValueError("timeouts must be > 0")
+        self.geometry = geometry
+        self.endpoint = endpoint
+        self.timeout_s = timeout_s
+        self.connect_timeout_s = min(connect_timeout_s, timeout_s)
+        self._secret = secret
+        self._ns = geometry.namespace()
+        self._lock = threading.Lock()
+        self._inbox: deque[_Task] = deque()
+        self._tasks: dict[TaskId, _Task] = {}
+        self._results: dict[TaskId, TaskResult] = {}
+        self._counters = dict.fromkeys(_COUNTERS, 0)
+        self._next_id = 1
+        self._closed = False
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        for opt, value in ((zmq.LINGER, 0), (zmq.IMMEDIATE, 1), (zmq.SNDHWM, 0),
+                           (zmq.RCVHWM, 0), (zmq.RECONNECT_IVL, 100),
+                           (zmq.RECONNECT_IVL_MAX, 1000), (zmq.HEARTBEAT_IVL, 1000),
+                           (zmq.HEARTBEAT_TIMEOUT, 5000)):
+            self._sock.setsockopt(opt, value)
+        self._monitor = self._sock.get_monitor_socket(
+            zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        self._sock.connect(endpoint)  # asynchronous: never fails for an absent server
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        self._thread = threading.Thread(target=self._run, name=f"vericache-tier-io:{endpoint}",
+                                        daemon=True)
+        self._thread.start()
+
+    # -- public API (any thread) ----------------------------------------------------------
+    def submit_put(self, keys: Sequence[ChunkKey], chunks: Sequence[torch.Tensor]) -> TaskId:
+        check_batch(self.geometry, keys, chunks, "chunks")
+        if any(c.device.type != "cpu" for c in chunks):
+            raise ValueError("ZmqTier.submit_put needs CPU chunks (copy device KV to host first)")
+        return self._submit(TaskKind.PUT, keys, chunks)
+
+    def submit_fetch(self, keys: Sequence[ChunkKey], dst: Sequence[torch.Tensor]) -> TaskId:
+        check_batch(self.geometry, keys, dst, "dst")
+        return self._submit(TaskKind.FETCH, keys, dst)
+
+    def submit_lookup(self, keys: Sequence[ChunkKey]) -> TaskId:
+        check_batch(self.geometry, keys, None, "keys")
+        return self._submit(TaskKind.LOOKUP, keys, [])
+
+    def poll(self) -> dict[TaskId, TaskResult]:
+        with self._lock:
+            out, self._results = self._results, {}
+        return out
+
+    def cancel(self, task_id: TaskId) -> None:
+        with self._lock:
+            task = self._tasks.get(task_id)
+            if task is None:
+                return
+            task.cancelled = True
+        with task.copy_lock:  # waits for at most one chunk copy already under way
+            pass
+        self._finish(task, TaskStatus.CANCELLED, [False] * len(task.keys), error="cancelled")
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            pending = list(self._tasks.values())
+        for task in pending:
+            self.cancel(task.task_id)
+        os.write(self._wake_w, b"x")
+        self._thread.join(timeout=5.0)
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._counters)
+
+    # -- bookkeeping -----------------------------------------------------------------------
+    def _submit(self, kind: TaskKind, keys: Sequence[ChunkKey],
+                tensors: Sequence[torch.Tensor]) -> TaskId:
+        now = time.monotonic()
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("ZmqTier is closed")
+            task_id = TaskId(self._next_id)
+            self._next_id += 1
+            task = _Task(task_id, kind, list(keys), list(tensors), now + self.timeout_s,
+                         now + self.connect_timeout_s)
+            self._tasks[task_id] = task
+            self._inbox.append(task)
+            self._counters["submitted"] += 1
+        os.write(self._wake_w, b"x")
+        return task_id
+
+    def _count(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self._counters[name] += n
+
+    def _finish(self, task: _Task, status: TaskStatus, ok: Sequence[bool], *, nbytes: int = 0,
+                error: str | None = None) -> None:
+        """Publish a task's one result (later calls for the same task are ignored)."""
+        if task.kind is not TaskKind.PUT:
+            ok = prefix_closed(ok)
+        result = TaskResult(task.task_id, task.kind, status, tuple(ok), nbytes, error)
+        with self._lock:
+            if self._tasks.pop(task.task_id, None) is None:
+                return
+            self._results[task.task_id] = result
+            self._counters["completed"] += 1
+            if status is TaskStatus.FAILED:
+                self._counters["failures"] += 1
+            elif status is TaskStatus.CANCELLED:
+                self._counters["cancelled"] += 1
+            if task.kind is TaskKind.FETCH and not result.all_ok \
+                    and status is not TaskStatus.CANCELLED:
+                self._counters["fallbacks"] += 1
+        if status is TaskStatus.FAILED:
+            logger.warning("%s task %d to %s failed: %s", task.kind.value, task.task_id,
+                           self.endpoint, error)
+
+    def _fail(self, task: _Task, error: str, counter: str) -> None:
+        self._count(counter)
+        self._finish(task, TaskStatus.FAILED, [False] * len(task.keys), error=error)
+
+    # -- I/O thread --------------------------------------------------------------------------
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._monitor, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        outbox: deque[_Task] = deque()
+        try:
+            while not self._closed:
+                timeout_ms = 5 if outbox else 50
+                events = dict(poller.poll(timeout_ms))
+                if self._wake_r in events:
+                    try:
+                        while os.read(self._wake_r, 4096):
+                            pass
+                    except BlockingIOError:
+                        pass
+                self._drain_replies()
+                if self._monitor in events:
+                    self._drain_monitor()
+                with self._lock:
+                    outbox.extend(self._inbox)
+                    self._inbox.clear()
+                self._send_outbox(outbox)
+                self._expire()
+        except Exception:  # never let the thread die silently: fail everything instead
+            logger.exception("tier I/O thread crashed")
+            with self._lock:
+                pending = list(self._tasks.values())
+            for task in pending:
+                self._fail(task, "tier I/O thread crashed", "protocol_errors")
+        finally:
+            self._monitor.close(linger=0)
+            self._sock.close(linger=0)
+            self._ctx.term()
+
+    def _send_outbox(self, outbox: deque[_Task]) -> None:
+        while outbox:
+            task = outbox[0]
+            if task.cancelled or task.task_id not in self._tasks:
+                outbox.popleft()
+                continue
+            if task.frames is None:
+                task.frames = self._request_frames(task)
+            frames = task.frames
+            try:
+                self._sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:  # no server connected (IMMEDIATE): retry until connect deadline
+                return
+            outbox.popleft()
+            task.sent = True
+            task.frames = None
+            self._count("bytes_sent", sum(memoryview(f).nbytes for f in frames))
+
+    def _request_frames(self, task: _Task) -> list[Any]:
+        header: dict[str, Any] = {"v": PROTOCOL_VERSION, "id": int(task.task_id)}
+        payload: list[memoryview] = []
+        if task.kind is TaskKind.PUT:
+            items = []
+            for key, chunk in zip(task.keys, task.tensors):
+                view = tensor_bytes(chunk)
+                manifest = ChunkManifest.of(self._ns, key.num_tokens, self.geometry.num_layers,
+                                            view)
+                items.append({"key": key.digest, "m": manifest.to_wire()})
+                payload.append(view)
+            header.update(op=Op.PUT.value, items=items)
+        else:
+            op = Op.GET if task.kind is TaskKind.FETCH else Op.EXISTS
+            header.update(op=op.value, keys=[k.digest for k in task.keys], ns=self._ns)
+        return seal(header, payload, self._secret)
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            tasks = list(self._tasks.values())
+        for task in tasks:
+            if not task.sent and now > task.connect_deadline:
+                self._fail(task, f"tier server {self.endpoint} unreachable", "unreachable")
+            elif now > task.deadline:
+                self._fail(task, f"no reply within {self.timeout_s}s", "timeouts")
+
+    def _drain_monitor(self) -> None:
+        while True:
+            try:
+                event = recv_monitor_message(self._monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                logger.warning("lost connection to tier server %s", self.endpoint)
+                with self._lock:
+                    inflight = [t for t in self._tasks.values() if t.sent]
+                for task in inflight:
+                    self._fail(task, "tier server disconnected", "disconnects")
+            elif event["event"] == zmq.EVENT_CONNECTED:
+                logger.info("connected to tier server %s", self.endpoint)
+
+    def _drain_replies(self) -> None:
+        while True:
+            try:
+                frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self._count("bytes_received", sum(f.buffer.nbytes for f in frames))
+            self._handle_reply([f.buffer for f in frames])
+
+    def _handle_reply(self, frames: list[memoryview]) -> None:
+        try:
+            header = unpack_header(frames[0])
+        except ProtocolError as exc:
+            self._count("protocol_errors")
+            logger.warning("unreadable reply from %s: %s", self.endpoint, exc)
+            return
+        with self._lock:
+            task = self._tasks.get(TaskId(header["id"]))
+        if task is None:  # timed out, cancelled, or failed by a disconnect earlier
+            self._count("late_replies")
+            return
+        if self._secret is not None:
+            try:
+                check_mac(self._secret, header, frames, check_time=False)
+            except ProtocolError as exc:
+                # An unauthenticated reply may only ever fail its task, never deliver data
+                # (typically the server has another secret and says "unauthorized").
+                detail = f"{header.get('code')}: {header.get('error')}" \
+                    if header.get("ok") is False else "no error given"
+                self._fail(task, f"unauthenticated reply ({exc}); server said {detail}",
+                           "protocol_errors")
+                return
+            frames = frames[:-1]
+        try:
+            if header.get("ok") is not True:
+                self._count("server_errors")
+                self._finish(task, TaskStatus.FAILED, [False] * len(task.keys),
+                             error=f"server: {header.get('code')}: {header.get('error')}")
+            elif task.kind is TaskKind.PUT:
+                self._on_put(task, header)
+            elif task.kind is TaskKind.LOOKUP:
+                self._on_lookup(task, header)
+            else:
+                self._on_fetch(task, header, frames[1:])
+        except ProtocolError as exc:
+            self._fail(task, f"bad reply: {exc}", "protocol_errors")
+
+    def _on_put(self, task: _Task, header: dict[str, Any]) -> None:
+        status = require(header, "status", list)
+        if len(status) != len(task.keys):
+            raise ProtocolError("put status count mismatch")
+        good = (PutStatus.STORED.value, PutStatus.EXISTS.value)
+        ok = [s in good for s in status]
+        rejected = [s for s in status if s not in good]
+        self._count("chunks_put", sum(ok))
+        if rejected:
+            self._count("put_rejected", len(rejected))
+        nbytes = sum(c.nbytes for c, flag in zip(task.tensors, ok) if flag)
+        self._finish(task, TaskStatus.DONE, ok, nbytes=nbytes,
+                     error=f"rejected: {sorted(set(rejected))}" if rejected else None)
+
+    def _on_lookup(self, task: _Task, header: dict[str, Any]) -> None:
+        present = require(header, "present", list)
+        if len(present) != len(task.keys):
+            raise ProtocolError("lookup reply count mismatch")
+        ok = prefix_closed([p is True for p in present])
+        self._finish(task, TaskStatus.DONE, ok,
+                     error=None if all(ok) else f"{sum(ok)}/{len(ok)} chunks stored")
+
+    def _on_fetch(self, task: _Task, header: dict[str, Any], payload: list[memoryview]) -> None:
+        items = require(header, "items", list)
+        if len(items) != len(payload) or len(items) > len(task.keys):
+            raise ProtocolError("get reply item/frame count mismatch")
+        ok = [False] * len(task.keys)
+        error: str | None = None
+        nbytes = 0
+        with task.copy_lock:
+            for i, (item, frame) in enumerate(zip(items, payload)):
+                if task.cancelled:
+                    return  # cancel() publishes the CANCELLED result
+                error = self._verify_chunk(task.keys[i], item, frame)
+                if error is not None:
+                    break
+                dst = task.tensors[i]
+                dst.view(torch.uint8).reshape(-1).copy_(torch.frombuffer(frame, dtype=torch.uint8))
+                ok[i] = True
+                nbytes += frame.nbytes
+        hits = sum(ok)
+        self._count("chunks_fetched", hits)
+        self._count("chunks_missed", len(ok) - hits)
+        if error is None and hits < len(ok):
+            error = f"{hits}/{len(ok)} chunks stored"
+        self._finish(task, TaskStatus.DONE, ok, nbytes=nbytes, error=error)
+
+    def _verify_chunk(self, key: ChunkKey, item: Any, frame: memoryview) -> str | None:
+        """None if the chunk is exactly what ``key`` names under our geometry, else why not."""
+        if not isinstance(item, dict) or item.get("key") != key.digest:
+            raise ProtocolError("get reply keys out of order")
+        manifest = ChunkManifest.from_wire(item.get("m"))
+        g = self.geometry
+        if (manifest.ns != self._ns or manifest.num_tokens != key.num_tokens
+                or manifest.num_layers != g.num_layers
+                or manifest.nbytes != g.chunk_nbytes(key.num_tokens)):
+            self._count("geometry_mismatch")
+            logger.warning("chunk %s: manifest does not match geometry/key", key.hex()[:16])
+            return "manifest does not match this geometry"
+        if not manifest.verify(frame):
+            self._count("checksum_mismatch")
+            logger.warning("chunk %s: checksum mismatch (corrupt), treated as a miss",
+                           key.hex()[:16])
+            return "checksum mismatch"
+        return None
+
+
+def server_request(endpoint: str, op: Op, fields: dict[str, Any] | None = None, *,
+                   secret: bytes | None = None, timeout_s: float = 5.0) -> dict[str, Any]:
+    """One blocking request without payload (ping/stats/exists/corrupt): for tests, health
+    checks and tools, never for the scheduler thread. Raises TimeoutError / ProtocolError."""
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(endpoint)
+        header = {"v": PROTOCOL_VERSION, "id": 1, "op": op.value, **(fields or {})}
+        sock.send_multipart(seal(header, [], secret))
+        if not sock.poll(int(timeout_s * 1000), zmq.POLLIN):
+            raise TimeoutError(f"no reply from {endpoint} within {timeout_s}s")
+        frames = sock.recv_multipart()
+        reply = unpack_header(frames[0])
+        if secret is not None:
+            check_mac(secret, reply, frames, check_time=False)
+        return reply
+    finally:
+        sock.close(linger=0)

@@ -1,0 +1,42 @@
+"""Tensor helpers for the chunk layout of ``geometry.py``: split, join, allocate."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from sglang_vericache.tier.geometry import KVGeometry
+
+
+def split_chunks(kv: torch.Tensor, geometry: KVGeometry) -> list[torch.Tensor]:
+    """Copy a sequence's full KV into contiguous per-chunk tensors ready for ``submit_put``.
+
+    kv: [L, 2, H_kv, T, D] geometry.dtype, any device. Returns ceil(T / chunk_tokens)
+    contiguous tensors on kv's device, [L, 2, H_kv, n_i, D] each (copies, never views).
+    """
+    if kv.dim() != 5:
+        raise ValueError(f"kv must be [L, 2, H_kv, T, D], got shape {tuple(kv.shape)}")
+    out: list[torch.Tensor] = []
+    start = 0
+    for n in geometry.chunk_lengths(kv.shape[3]):
+        chunk = kv[:, :, :, start:start + n, :].clone(memory_format=torch.contiguous_format)
+        geometry.check_chunk(chunk, n)
+        out.append(chunk)
+        start += n
+    return out
+
+
+def join_chunks(chunks: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Inverse of split_chunks: [L, 2, H_kv, sum(n_i), D] (a new tensor)."""
+    if not chunks:
+        raise ValueError("join_chunks needs at least one chunk")
+    return torch.cat(list(chunks), dim=3)
+
+
+def alloc_chunks(geometry: KVGeometry, num_tokens: int, device: torch.device | str = "cpu",
+                 pin_memory: bool = False) -> list[torch.Tensor]:
+    """Empty destination buffers for ``submit_fetch`` covering ``num_tokens`` tokens."""
+    return [torch.empty(geometry.chunk_shape(n), dtype=geometry.torch_dtype, device=device,
+                        pin_memory=pin_memory)
+            for n in geometry.chunk_lengths(num_tokens)]

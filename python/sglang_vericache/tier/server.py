@@ -1,0 +1,415 @@
+"""The zmq full-KV server: one process, one ROUTER socket, one thread, a byte-bounded LRU.
+
+    python -m sglang_vericache.tier.server --host 127.0.0.1 --port 7300 --capacity-gb 4 \\
+        [--bandwidth-mbps 100] [--secret-file PATH]
+
+Wire protocol: ``protocol.py``. The server never dies on bad input: every request is
+handled inside one try/except that turns any problem into an error reply (and a counter);
+oversized frames are cut off by libzmq (ZMQ_MAXMSGSIZE disconnects the peer before the
+bytes are buffered). ``--bandwidth-mbps`` emulates a slower remote store: replies carrying
+payload leave no faster than that many megabytes (10^6 bytes) per second on a shared
+outbound link, and put acknowledgements wait for the same rate on the inbound link.
+Throttled replies are queued, not slept on, so small requests keep being served.
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import ipaddress
+import logging
+import os
+import signal
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from sglang_vericache.tier.protocol import (
+    KEY_BYTES, NAMESPACE_BYTES, PROTOCOL_VERSION, ChunkManifest, ErrorCode, Op, ProtocolError, PutStatus,
+    check_mac, require, require_keys, seal, unpack_header,
+)
+from sglang_vericache.tier.store import Admission, LRUByteStore
+
+logger = logging.getLogger("sglang_vericache.tier.server")
+
+SECRET_ENV = "VERICACHE_TIER_SECRET"
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # an interface name or hostname: treat as exposed
+        return False
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    """bandwidth_mb_s: megabytes (10^6 B) per second, None = unthrottled. port 0 = any free."""
+
+    capacity_bytes: int
+    host: str = "127.0.0.1"
+    port: int = 7300
+    bandwidth_mb_s: float | None = None
+    secret: bytes | None = None
+    max_frame_bytes: int = 1 << 30
+    fault_injection: bool = False
+
+    def __post_init__(self) -> None:
+        if self.capacity_bytes <= 0:
+            raise ValueError("capacity must be > 0")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"bad port {self.port}")
+        if self.bandwidth_mb_s is not None and self.bandwidth_mb_s <= 0:
+            raise ValueError("bandwidth must be > 0 MB/s")
+        if self.max_frame_bytes <= 0:
+            raise ValueError("max_frame_bytes must be > 0")
+        if self.secret is not None and len(self.secret) < 16:
+            raise ValueError("the shared secret must be at least 16 bytes")
+        if not is_loopback(self.host) and self.secret is None:
+            raise ValueError(f"refusing to bind non-loopback address {self.host!r} without a "
+                             f"shared secret (--secret-file or ${SECRET_ENV})")
+        if self.fault_injection and not is_loopback(self.host):
+            raise ValueError("--fault-injection is only allowed on a loopback address")
+
+
+@dataclass(slots=True)
+class ServerCounters:
+    requests: int = 0
+    hits: int = 0               # chunks returned by get
+    misses: int = 0             # requested chunks not returned by get (prefix ended)
+    lookups: int = 0            # exists requests
+    puts: int = 0               # chunks stored
+    put_exists: int = 0         # chunks already stored
+    evictions: int = 0
+    corrupt_rejected: int = 0   # puts whose checksum/size did not match
+    full_rejected: int = 0      # puts larger than the whole budget
+    bad_requests: int = 0       # malformed, unknown op, wrong version
+    unauthorized: int = 0       # missing/bad MAC when a secret is set
+    bytes_in: int = 0
+    bytes_out: int = 0
+    peer_disconnects: int = 0    # includes peers cut off by ZMQ_MAXMSGSIZE (oversized frame)
+    handshake_failures: int = 0  # not a ZMTP peer (garbage on the TCP port)
+
+
+@dataclass(frozen=True, slots=True)
+class StoredChunk:
+    manifest: ChunkManifest
+    payload: memoryview  # keeps the received zmq frame alive: stored zero-copy
+
+
+@dataclass(order=True)
+class _Delayed:
+    send_at: float
+    seq: int
+    frames: list[Any] = field(compare=False)
+
+
+class KVTierServer:
+    """Serve one ROUTER socket. ``step()`` handles what is ready (testable in-process);
+    ``serve_forever()`` loops until ``stop()`` (also called by SIGTERM in the CLI)."""
+
+    def __init__(self, config: ServerConfig, context: zmq.Context | None = None) -> None:
+        self.config = config
+        self.counters = ServerCounters()
+        self.store: LRUByteStore[bytes, StoredChunk] = LRUByteStore(config.capacity_bytes)
+        self._ctx = context or zmq.Context.instance()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, config.max_frame_bytes)
+        self._sock.setsockopt(zmq.SNDHWM, 0)  # never drop a reply
+        port = "*" if config.port == 0 else str(config.port)
+        # libzmq handles oversized frames and non-ZMTP garbage itself (it drops the peer);
+        # a monitor socket makes those visible as counters and log lines.
+        self._monitor = self._sock.get_monitor_socket(
+            zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+            | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+        self._poller = zmq.Poller()
+        self._poller.register(self._sock, zmq.POLLIN)
+        self._poller.register(self._monitor, zmq.POLLIN)
+        self._sock.bind(f"tcp://{config.host}:{port}")
+        self.endpoint: str = self._sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self._delayed: list[_Delayed] = []
+        self._seq = 0
+        self._out_free_at = 0.0
+        self._in_free_at = 0.0
+        self._running = True
+
+    # -- loop ---------------------------------------------------------------------------
+    def step(self, timeout_ms: int = 100) -> int:
+        """Wait up to timeout_ms for requests, handle all that are ready, flush due replies."""
+        now = time.monotonic()
+        if self._delayed:
+            timeout_ms = max(0, min(timeout_ms, int((self._delayed[0].send_at - now) * 1000) + 1))
+        handled = 0
+        events = dict(self._poller.poll(timeout_ms))
+        if self._monitor in events:
+            self._drain_monitor()
+        if self._sock in events:
+            while handled < 64:
+                try:
+                    frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                self._handle(frames)
+                handled += 1
+        self._flush_delayed()
+        return handled
+
+    def serve_forever(self) -> None:
+        while self._running:
+            self.step(100)
+
+    def stop(self) -> None:
+        self._running = False
+
+    def close(self) -> None:
+        self._monitor.close(linger=0)
+        self._sock.close(linger=0)
+
+    def _drain_monitor(self) -> None:
+        while True:
+            try:
+                event = recv_monitor_message(self._monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                self.counters.peer_disconnects += 1
+                logger.info("peer disconnected (closed, died, or sent an oversized frame)")
+            else:
+                self.counters.handshake_failures += 1
+                logger.warning("rejected a connection that does not speak ZMTP")
+
+    def stats(self) -> dict[str, int]:
+        out = asdict(self.counters)
+        out.update(entries=len(self.store), used_bytes=self.store.used_bytes,
+                   capacity_bytes=self.store.capacity_bytes)
+        return out
+
+    # -- dispatch -------------------------------------------------------------------------
+    def _handle(self, frames: list[zmq.Frame]) -> None:
+        self.counters.requests += 1
+        if len(frames) < 2:  # identity only: nothing to answer
+            self.counters.bad_requests += 1
+            return
+        identity, body = frames[0].bytes, [f.buffer for f in frames[1:]]
+        self.counters.bytes_in += sum(b.nbytes for b in body)
+        request_id = 0
+        try:
+            header = unpack_header(body[0])
+            request_id = header["id"]
+            if self.config.secret is not None:
+                check_mac(self.config.secret, header, body, check_time=True)
+                body = body[:-1]
+            elif header.get("auth"):
+                raise ProtocolError("this server has no shared secret; client sent a MAC",
+                                    ErrorCode.UNAUTHORIZED)
+            reply, payload, link = self._dispatch(header, body[1:])
+        except ProtocolError as exc:
+            if exc.code is ErrorCode.UNAUTHORIZED:
+                self.counters.unauthorized += 1
+            else:
+                self.counters.bad_requests += 1
+            logger.warning("rejected request %d: %s: %s", request_id, exc.code.value, exc)
+            reply, payload, link = {"ok": False, "code": exc.code.value, "error": str(exc)}, [], None
+        except Exception as exc:  # a bug must cost one request, not the server
+            self.counters.bad_requests += 1
+            logger.exception("internal error on request %d", request_id)
+            reply, payload, link = ({"ok": False, "code": ErrorCode.BAD_REQUEST.value,
+                                     "error": f"internal error: {type(exc).__name__}"}, [], None)
+        reply = {"v": PROTOCOL_VERSION, "id": request_id, **reply}
+        self._send(identity, seal(reply, payload, self.config.secret), link)
+
+    def _dispatch(self, header: dict[str, Any], payload: list[memoryview]
+                  ) -> tuple[dict[str, Any], list[memoryview], tuple[str, int] | None]:
+        op = require(header, "op", str)
+        if op != Op.PUT.value and payload:
+            raise ProtocolError(f"{op} takes no payload frames")
+        if op == Op.PING.value:
+            return {"ok": True, "version": PROTOCOL_VERSION}, [], None
+        if op == Op.STATS.value:
+            return {"ok": True, "stats": self.stats()}, [], None
+        if op == Op.PUT.value:
+            status = self._put(header, payload)
+            return {"ok": True, "status": status}, [], ("in", sum(p.nbytes for p in payload))
+        if op == Op.GET.value:
+            items, frames = self._get(header)
+            return {"ok": True, "items": items}, frames, ("out", sum(f.nbytes for f in frames))
+        if op == Op.EXISTS.value:
+            present = self._exists(header)
+            prefix = present.index(False) if False in present else len(present)
+            return {"ok": True, "present": present, "prefix": prefix}, [], None
+        if op == Op.CORRUPT.value:
+            if not self.config.fault_injection:
+                raise ProtocolError("fault injection is disabled", ErrorCode.DISABLED)
+            return {"ok": True, "corrupted": self._corrupt(header)}, [], None
+        raise ProtocolError(f"unknown op {op!r}")
+
+    # -- ops ------------------------------------------------------------------------------
+    def _put(self, header: dict[str, Any], payload: list[memoryview]) -> list[str]:
+        items = require(header, "items", list)
+        if len(items) != len(payload):
+            raise ProtocolError(f"{len(items)} put items but {len(payload)} payload frames")
+        status: list[str] = []
+        for item, frame in zip(items, payload):
+            if not isinstance(item, dict):
+                raise ProtocolError("put item must be a map")
+            key = require(item, "key", bytes)
+            if len(key) != KEY_BYTES:
+                raise ProtocolError(f"key must be {KEY_BYTES} bytes")
+            manifest = ChunkManifest.from_wire(item.get("m"))
+            if not manifest.verify(frame):
+                self.counters.corrupt_rejected += 1
+                logger.warning("put %s rejected: checksum/size mismatch", key.hex()[:16])
+                status.append(PutStatus.CORRUPT.value)
+                continue
+            outcome = self.store.put(key, StoredChunk(manifest, frame), frame.nbytes)
+            self.counters.evictions += outcome.evicted
+            if outcome.admission is Admission.STORED:
+                self.counters.puts += 1
+                status.append(PutStatus.STORED.value)
+            elif outcome.admission is Admission.EXISTS:
+                self.counters.put_exists += 1
+                status.append(PutStatus.EXISTS.value)
+            else:
+                self.counters.full_rejected += 1
+                logger.warning("put %s rejected: %d bytes > capacity %d", key.hex()[:16],
+                               frame.nbytes, self.store.capacity_bytes)
+                status.append(PutStatus.TOO_LARGE.value)
+        return status
+
+    def _lookup_keys(self, header: dict[str, Any]) -> tuple[list[bytes], bytes]:
+        keys = require_keys(header, KEY_BYTES)
+        ns = require(header, "ns", bytes)
+        if len(ns) != NAMESPACE_BYTES:
+            raise ProtocolError(f"ns must be {NAMESPACE_BYTES} bytes")
+        return keys, ns
+
+    def _get(self, header: dict[str, Any]) -> tuple[list[dict[str, Any]], list[memoryview]]:
+        keys, ns = self._lookup_keys(header)
+        items: list[dict[str, Any]] = []
+        frames: list[memoryview] = []
+        for key in keys:  # prefix semantics: stop at the first missing chunk
+            chunk = self.store.get(key)
+            if chunk is None or chunk.manifest.ns != ns:
+                break
+            items.append({"key": key, "m": chunk.manifest.to_wire()})
+            frames.append(chunk.payload)
+        self.counters.hits += len(items)
+        self.counters.misses += len(keys) - len(items)
+        return items, frames
+
+    def _exists(self, header: dict[str, Any]) -> list[bool]:
+        keys, ns = self._lookup_keys(header)
+        self.counters.lookups += 1
+        present = []
+        for key in keys:
+            chunk = self.store.peek(key)
+            present.append(chunk is not None and chunk.manifest.ns == ns)
+        self.store.touch(k for k, p in zip(keys, present) if p)  # a lookup predicts a get
+        return present
+
+    def _corrupt(self, header: dict[str, Any]) -> int:
+        done = 0
+        for key in require_keys(header, KEY_BYTES):
+            chunk = self.store.peek(key)
+            if chunk is not None:
+                damaged = bytearray(chunk.payload)
+                damaged[len(damaged) // 2] ^= 0xFF
+                self.store.replace(key, StoredChunk(chunk.manifest, memoryview(damaged)))
+                done += 1
+        logger.warning("fault injection: corrupted %d chunks", done)
+        return done
+
+    # -- sending --------------------------------------------------------------------------
+    def _send(self, identity: bytes, frames: list[Any], link: tuple[str, int] | None) -> None:
+        rate = self.config.bandwidth_mb_s
+        if rate is None or link is None or link[1] == 0:
+            self._send_now(identity, frames)
+            return
+        now = time.monotonic()
+        cost = link[1] / (rate * 1e6)
+        if link[0] == "out":
+            self._out_free_at = send_at = max(now, self._out_free_at) + cost
+        else:
+            self._in_free_at = send_at = max(now, self._in_free_at) + cost
+        self._seq += 1
+        heapq.heappush(self._delayed, _Delayed(send_at, self._seq, [identity, *frames]))
+
+    def _flush_delayed(self) -> None:
+        now = time.monotonic()
+        while self._delayed and self._delayed[0].send_at <= now:
+            item = heapq.heappop(self._delayed)
+            self._send_now(item.frames[0], item.frames[1:])
+
+    def _send_now(self, identity: bytes, frames: list[Any]) -> None:
+        self.counters.bytes_out += sum(memoryview(f).nbytes for f in frames)
+        try:
+            self._sock.send_multipart([identity, *frames], copy=False)
+        except zmq.ZMQError as exc:  # peer gone: its request is simply unanswered
+            logger.warning("reply dropped: %s", exc)
+
+
+def _read_secret(path: str | None) -> bytes | None:
+    if path is not None:
+        with open(path, "rb") as f:
+            return f.read().strip()
+    env = os.environ.get(SECRET_ENV)
+    return env.encode() if env else None
+
+
+def build_arg_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m sglang_vericache.tier.server",
+                                description="VeriCache full-KV tier server (pyzmq ROUTER, LRU).")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to bind (default 127.0.0.1; non-loopback needs a secret)")
+    p.add_argument("--port", type=int, default=7300, help="TCP port (0 = pick a free one)")
+    p.add_argument("--capacity-gb", type=float, required=True,
+                   help="byte budget in GiB (2^30 B); least recently used chunks are evicted")
+    p.add_argument("--bandwidth-mbps", type=float, default=None, metavar="MB_PER_S",
+                   help="throttle to this many MEGABYTES (10^6 B) per second, not megabits; "
+                        "emulates remote storage (default: unthrottled)")
+    p.add_argument("--secret-file", default=None,
+                   help=f"file holding the shared secret (>= 16 bytes); default ${SECRET_ENV}")
+    p.add_argument("--max-frame-mb", type=float, default=1024.0,
+                   help="largest accepted frame in MiB; bigger ones disconnect the sender")
+    p.add_argument("--fault-injection", action="store_true",
+                   help="enable the test-only 'corrupt' op (loopback only)")
+    p.add_argument("--log-level", default="INFO")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_arg_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = ServerConfig(
+            capacity_bytes=int(args.capacity_gb * (1 << 30)), host=args.host, port=args.port,
+            bandwidth_mb_s=args.bandwidth_mbps, secret=_read_secret(args.secret_file),
+            max_frame_bytes=int(args.max_frame_mb * (1 << 20)),
+            fault_injection=args.fault_injection)
+        server = KVTierServer(config)
+    except (ValueError, OSError, zmq.ZMQError) as exc:
+        logger.error("cannot start: %s", exc)
+        return 2
+    signal.signal(signal.SIGTERM, lambda *_: server.stop())
+    signal.signal(signal.SIGINT, lambda *_: server.stop())
+    print(f"vericache-tier listening on {server.endpoint}", flush=True)
+    logger.info("listening on %s capacity=%d B bandwidth=%s MB/s auth=%s", server.endpoint,
+                config.capacity_bytes, config.bandwidth_mb_s, config.secret is not None)
+    try:
+        server.serve_forever()
+    finally:
+        logger.info("shutting down; stats=%s", server.stats())
+        server.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,169 @@
+"""ZmqTier against a real server process on 127.0.0.1: the submit/poll contract."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from typing import Iterator
+
+import pytest
+import torch
+
+from sglang_vericache.tier import TaskStatus, open_tier
+from sglang_vericache.tier.client import ZmqTier
+from sglang_vericache.tier.factory import TierOptions
+from sglang_vericache.tier.geometry import KVGeometry
+from sglang_vericache.tier.layout import alloc_chunks, join_chunks, split_chunks
+from sglang_vericache.tier.keys import chunk_keys
+from tier_testlib import TINY, Results, ServerProcess
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[ServerProcess]:
+    proc = ServerProcess("--bandwidth-mbps", "20")  # 20 MB/s: fast enough, measurable
+    yield proc
+    assert proc.stop() == 0
+
+
+def geometry(name: str, **changes: object) -> KVGeometry:
+    return dataclasses.replace(TINY, model_id=name, **changes)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_roundtrip_bit_exact(server: ServerProcess, dtype: str) -> None:
+    g = geometry(f"roundtrip-{dtype}", dtype=dtype)
+    tier = open_tier(server.spec, g, TierOptions(timeout_s=10))
+    res = Results(tier)
+    tokens = list(range(29))
+    kv = torch.randn(2, 2, 2, 29, 4).to(g.torch_dtype)
+    keys = chunk_keys(g, tokens)
+    put = res.wait(tier.submit_put(keys, split_chunks(kv, g)))
+    assert put.all_ok and put.nbytes == kv.nbytes
+    assert res.wait(tier.submit_put(keys[:1], split_chunks(kv, g)[:1])).all_ok  # idempotent
+    dst = alloc_chunks(g, 29)
+    got = res.wait(tier.submit_fetch(keys, dst))
+    assert got.all_ok and got.nbytes == kv.nbytes and torch.equal(join_chunks(dst), kv)
+    look = res.wait(tier.submit_lookup(chunk_keys(g, tokens[:16] + [1, 2, 3])))
+    assert look.ok == (True, True, False)
+    assert tier.poll() == {}
+    stats = tier.stats()
+    assert stats["chunks_put"] == 5 and stats["chunks_fetched"] == 4 and stats["failures"] == 0
+    tier.close()
+    tier.close()  # idempotent
+
+
+def test_prefix_semantics_and_misses(server: ServerProcess) -> None:
+    g = geometry("prefix")
+    tier = ZmqTier(server.endpoint, g, timeout_s=10)
+    res = Results(tier)
+    keys = chunk_keys(g, list(range(32)))
+    chunks = split_chunks(torch.randn(2, 2, 2, 32, 4), g)
+    assert res.wait(tier.submit_put([keys[0], keys[2], keys[3]],
+                                    [chunks[0], chunks[2], chunks[3]])).all_ok
+    dst = alloc_chunks(g, 32)
+    got = res.wait(tier.submit_fetch(keys, dst))
+    assert got.status is TaskStatus.DONE and got.ok == (True, False, False, False)
+    assert torch.equal(dst[0], chunks[0]) and got.error is not None
+    assert res.wait(tier.submit_lookup(keys)).num_ok_prefix == 1
+    assert tier.stats()["fallbacks"] == 1 and tier.stats()["chunks_missed"] == 3
+    tier.close()
+
+
+def test_submit_and_poll_never_block_while_transfer_is_throttled(server: ServerProcess) -> None:
+    g = geometry("nonblocking", chunk_tokens=2048)  # 2*2*2*2048*4 fp32 = 256 KiB per chunk
+    tier = ZmqTier(server.endpoint, g, timeout_s=20)
+    res = Results(tier)
+    keys = chunk_keys(g, list(range(2048 * 2)))
+    kv = torch.randn(2, 2, 2, 4096, 4)
+    assert res.wait(tier.submit_put(keys, split_chunks(kv, g))).all_ok
+    t0 = time.perf_counter()
+    fetches = [tier.submit_fetch(keys, alloc_chunks(g, 4096)) for _ in range(8)]  # 4 MiB
+    lookup = tier.submit_lookup(keys)
+    submit_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    tier.poll()
+    poll_s = time.perf_counter() - t0
+    assert submit_s < 0.05 and poll_s < 0.01
+    # The lookup carries no payload: the server answers it before the throttled fetches.
+    look = res.wait(lookup)
+    first_fetch_done = fetches[0] in res.seen
+    assert look.all_ok and not first_fetch_done
+    results = res.wait_all(fetches)
+    assert all(r.all_ok for r in results)
+    # 8 fetches x 512 KiB = 4.2 MB at 20 MB/s: about 0.21 s on the emulated link.
+    assert time.perf_counter() - t0 >= 0.15
+    tier.close()
+
+
+def test_cancel_semantics(server: ServerProcess) -> None:
+    g = geometry("cancel", chunk_tokens=4096)  # 512 KiB per chunk -> throttled ~25 ms each
+    tier = ZmqTier(server.endpoint, g, timeout_s=20)
+    res = Results(tier)
+    keys = chunk_keys(g, list(range(4096 * 4)))
+    kv = torch.randn(2, 2, 2, 4096 * 4, 4)
+    assert res.wait(tier.submit_put(keys, split_chunks(kv, g))).all_ok
+    dst = alloc_chunks(g, 4096 * 4)
+    for d in dst:
+        d.fill_(7.0)
+    sent_before = tier.stats()["bytes_sent"]
+    task = tier.submit_fetch(keys, dst)
+    while tier.stats()["bytes_sent"] == sent_before:  # cancel once the request is on the wire
+        time.sleep(0.001)
+    tier.cancel(task)
+    result = res.wait(task)
+    assert result.status is TaskStatus.CANCELLED and not any(result.ok)
+    time.sleep(0.3)  # the late reply must not touch dst after cancel() returned
+    assert all(bool((d == 7.0).all()) for d in dst)
+    assert tier.stats()["cancelled"] == 1 and tier.stats()["late_replies"] == 1
+    done = tier.submit_lookup(keys)
+    res.wait(done)
+    tier.cancel(done)  # after completion: no-op, no second result
+    tier.cancel(123456)  # unknown: no-op
+    time.sleep(0.05)
+    res.drain()
+    assert set(res.seen) == {res.seen[t].task_id for t in res.seen}
+    assert tier.stats()["completed"] == 3
+    tier.close()
+
+
+def test_many_threads_submit_concurrently(server: ServerProcess) -> None:
+    g = geometry("threads")
+    tier = ZmqTier(server.endpoint, g, timeout_s=20)
+    ids: list[int] = []
+    lock = threading.Lock()
+    seqs = {i: list(range(i * 100, i * 100 + 20)) for i in range(8)}
+    kvs = {i: torch.randn(2, 2, 2, 20, 4) for i in range(8)}
+
+    def worker(i: int) -> None:
+        task = tier.submit_put(chunk_keys(g, seqs[i]), split_chunks(kvs[i], g))
+        with lock:
+            ids.append(task)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    res = Results(tier)
+    assert len(set(ids)) == 8 and all(r.all_ok for r in res.wait_all(ids))
+    for i in range(8):
+        dst = alloc_chunks(g, 20)
+        assert res.wait(tier.submit_fetch(chunk_keys(g, seqs[i]), dst)).all_ok
+        assert torch.equal(join_chunks(dst), kvs[i])
+    tier.close()
+
+
+def test_rejects_bad_arguments_synchronously(server: ServerProcess) -> None:
+    g = geometry("badargs")
+    tier = ZmqTier(server.endpoint, g)
+    keys = chunk_keys(g, list(range(8)))
+    with pytest.raises(ValueError, match="shape"):
+        tier.submit_put(keys, [torch.randn(2, 2, 2, 7, 4)])
+    with pytest.raises(ValueError, match="dtype"):
+        tier.submit_fetch(keys, [torch.empty(2, 2, 2, 8, 4, dtype=torch.float64)])
+    with pytest.raises(ValueError, match="ChunkKey"):
+        tier.submit_lookup([b"x" * 32])  # type: ignore[list-item]
+    tier.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        tier.submit_lookup(keys)
