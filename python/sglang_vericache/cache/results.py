@@ -30,6 +30,21 @@ class Match(NamedTuple):
     path: tuple[TieredNode, ...]
 
     @property
+    def compressed_path(self) -> tuple[TieredNode, ...]:
+        """Nodes holding the compressed hit: what drafting reads and ``lock`` protects."""
+        return self._path_to(self.compressed_node)
+
+    @property
+    def full_path(self) -> tuple[TieredNode, ...]:
+        """Nodes holding the full hit, root to leaf: what a verify fetches (``begin_fetch``)."""
+        return self._path_to(self.full_node)
+
+    def _path_to(self, node: TieredNode) -> tuple[TieredNode, ...]:
+        if node.is_root:
+            return ()
+        return self.path[: self.path.index(node) + 1]
+
+    @property
     def hit_len(self) -> int:
         """Tokens with some usable copy: drafting needs compressed, verify needs full."""
         return max(self.compressed_len, self.full_len)

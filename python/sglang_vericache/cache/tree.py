@@ -112,21 +112,30 @@ class TieredRadixTree(TransferOps):
 
     def compressed_prefix(self, match: Match) -> list[PageSlots]:
         """Compressed pages of the first ``match.compressed_len`` tokens, one per page."""
-        return self._prefix_pages(match, match.compressed_len, lambda n: n.compressed)
+        pages: list[PageSlots] = []
+        for node, n_pages in self._prefix_nodes(match, match.compressed_len):
+            assert node.compressed is not None
+            pages.extend(node.compressed[:n_pages])
+        return pages
 
     def full_prefix_keys(self, match: Match) -> list[TierKey]:
         """Tier keys of the first ``match.full_len`` tokens, one per page."""
-        return self._prefix_pages(match, match.full_len, lambda n: n.full.keys)  # type: ignore
+        keys: list[TierKey] = []
+        for node, n_pages in self._prefix_nodes(match, match.full_len):
+            assert node.full is not None
+            keys.extend(node.full.keys[:n_pages])
+        return keys
 
-    def _prefix_pages(self, match: Match, length: int, get) -> list:  # type: ignore[no-untyped-def]
-        out: list = []
+    def _prefix_nodes(self, match: Match, length: int) -> list[tuple[TieredNode, int]]:
+        """(node, pages of it inside the first ``length`` tokens) along ``match.path``."""
+        out = []
         pages_left = length // self.page_size
         for node in match.path:
             if pages_left <= 0:
                 break
-            items = get(node)
-            out.extend(items[:pages_left])
-            pages_left -= len(items)
+            n_pages = min(pages_left, len(node.tokens) // self.page_size)
+            out.append((node, n_pages))
+            pages_left -= n_pages
         return out
 
     # ------------------------------------------------------------------ insert

@@ -23,6 +23,22 @@ def test_insert_then_match_full_and_partial(h):
     m = h.tree.match([0, 1, 2, 7])
     assert m.compressed_len == 3 and m.compressed_node is r.last_node
     assert h.tree.compressed_prefix(m) == list(r.last_node.compressed[:3])
+    assert m.compressed_path == (r.last_node,) and m.full_path == () and m.hit_len == 3
+
+
+def test_match_paths_when_compressed_and_full_differ(h):
+    a = list(range(4))
+    h.insert_stored(a)  # [0..3]: compressed + STORED
+    h.insert(a + [4, 5])  # [4, 5]: compressed only
+    m = h.tree.match(a + [4, 5])
+    (n1, n2) = m.path
+    assert (m.compressed_len, m.full_len) == (6, 4)
+    assert m.compressed_path == (n1, n2) and m.full_path == (n1,)
+    assert h.tree.full_prefix_keys(m) == h.keys(a)
+    h.evict(100)  # n2 (no tier copy) is removed, n1 becomes remote-only
+    m = h.tree.match(a + [4, 5])
+    assert (m.compressed_len, m.full_len) == (0, 4)
+    assert m.compressed_path == () and m.full_path == (n1,) and m.hit_len == 4
 
 
 def test_match_is_read_only(h):

@@ -29,8 +29,8 @@ def run_turn(h, prompt: list[int], answer: list[int], ns=None):  # type: ignore[
     lock = h.tree.lock(m.path[-1]) if m.path else None
     task = None
     if m.full_len:  # the verify needs the full KV of the cached prefix
-        fetch_nodes = [n for n in m.path if n.full_state is FullState.STORED]
-        task = h.begin_fetch(fetch_nodes)
+        assert all(n.full_state is FullState.STORED for n in m.full_path)
+        task = h.begin_fetch(m.full_path)
     # ... drafting from the compressed prefix would run here, before the fetch lands ...
     if task is not None:
         assert h.finish_fetch(task).ok

@@ -87,9 +87,8 @@ def _chain_up(node: TieredNode, ok, rng: random.Random) -> list[TieredNode]:  # 
     return chain
 
 
-def run_random(seed: int, page_size: int, steps: int) -> dict[str, int]:
-    from conftest import Harness  # the shared glue-like harness
-
+def run_random(seed: int, page_size: int, steps: int, Harness) -> dict[str, int]:  # type: ignore
+    """``Harness``: the glue-like harness class from conftest (the ``harness`` fixture)."""
     rng = random.Random(seed)
     h = Harness(page_size=page_size, local_slots=400, device_slots=400,
                 slots_per_page=rng.choice([page_size, 1]))
@@ -162,7 +161,11 @@ def run_random(seed: int, page_size: int, steps: int) -> dict[str, int]:
         elif op == "unlock" and locks:
             h.tree.unlock(locks.pop(rng.randrange(len(locks))))
         elif op == "evict":
+            # LRU: the candidates evicted are the oldest ones, in (last_access, id) order
+            before = sorted(h.tree._local_leaves, key=lambda n: (n.last_access, n.node_id))
             r = h.tree.evict_local(rng.randrange(0, 40))
+            gone = [n.compressed is None for n in before]
+            assert gone == sorted(gone, reverse=True), "evicted leaves are not the oldest"
             oracle.freed_pages(r.pages)
             h.pool.free(s for p in r.pages for s in p)
         elif op == "bw":
@@ -253,7 +256,7 @@ def _path_tokens(node: TieredNode) -> tuple:
 
 @pytest.mark.parametrize("page_size", [1, 2, 4])
 @pytest.mark.parametrize("seed", range(6))
-def test_random_operations_keep_every_invariant(seed, page_size):
-    counts = run_random(seed, page_size, steps=300)
+def test_random_operations_keep_every_invariant(seed, page_size, harness):
+    counts = run_random(seed, page_size, 300, harness)
     assert counts.get("insert", 0) > 20 and counts.get("evict", 0) > 3
     assert sum(counts.values()) > 150
