@@ -176,3 +176,38 @@ def test_accounting_holds_through_many_sessions_under_pressure(harness):
     # every session's history is still a full hit in the tier, even if evicted locally
     for hist in sessions:
         assert h.tree.match(hist).full_len == _aligned(len(hist))
+
+
+def test_ongoing_request_checkpoints_are_hits_for_others(harness):
+    """Committed tokens of a running request are inserted at each checkpoint (SGLang's
+    ``checkpoint(req, up_to)``), so a concurrent request with the same prefix hits them
+    before the first request finishes, even while the write-through is still in flight."""
+    h = harness(page_size=PS)
+    rng = random.Random(6)
+    prompt = _toks(rng, 40)
+    r1 = h.insert(prompt)  # checkpoint after prefill
+    lock = h.tree.lock(r1.last_node)
+    w1 = h.task()
+    h.tree.begin_write(w1, r1.to_write)
+    committed = prompt + _toks(rng, 8)  # two verify rounds later
+    r2 = h.insert(committed)
+    assert r2.prefix_len == 40 and r2.to_write == (r2.last_node,)
+    h.tree.unlock(lock)  # the checkpoint moves the request's lock down
+    lock = h.tree.lock(r2.last_node)
+    w2 = h.task()
+    h.tree.begin_write(w2, r2.to_write)
+    # another session forks off the middle of the prompt: splits the node being written
+    other = prompt[:24] + _toks(rng, 8)
+    m = h.tree.match(other)
+    assert (m.compressed_len, m.full_len) == (24, 0)  # drafting yes; full KV not stored yet
+    r3 = h.insert(other)
+    head = r3.last_node.parent
+    assert head.writing == w1 and head.full_state is FullState.WRITING
+    h.check()
+    h.tree.finish_write(w1, True)
+    h.check()
+    assert h.tree.match(other).full_len == 24 and h.tree.match(committed).full_len == 40
+    h.tree.finish_write(w2, True)
+    h.tree.unlock(lock)
+    assert h.tree.match(committed).full_len == 48 and h.tree.protected_size() == 0
+    h.check()
