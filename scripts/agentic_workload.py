@@ -268,13 +268,19 @@ def main(argv: list[str] | None = None) -> int:
     system = system_prompt(random.Random(f"{args.seed}/system"), sources, tools,
                            args.system_chars)
     out = sys.stdout if args.output == "-" else open(args.output, "w", encoding="utf-8")
+    reuse: list[float] = []
     try:
         for i in range(args.sessions):
             session = make_session(i, args.seed, args, sources, tools, system)
+            reuse += [t["target_reuse"] for t in session["turns"][1:]]
             out.write(json.dumps(session, ensure_ascii=False) + "\n")
     finally:
         if out is not sys.stdout:
             out.close()
+    mean = sum(reuse) / len(reuse) if reuse else 0.0
+    print(f"{args.sessions} sessions x {args.turns} turns, system prompt {len(system)} chars, "
+          f"expected reuse after turn 0: {mean:.3f} (answers of ~{args.answer_chars} chars)",
+          file=sys.stderr)
     return 0
 
 
