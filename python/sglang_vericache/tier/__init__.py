@@ -5,6 +5,7 @@ Public API (pure python + torch + pyzmq + msgpack; nothing here imports sglang, 
 
     KVGeometry, chunk_keys, ChunkKey          what a chunk is and what it is called
     split_chunks, join_chunks, alloc_chunks   [L, 2, H_kv, T, D] <-> per-chunk tensors
+    gather_chunk, scatter_chunk               token-slot KV pool <-> one chunk
     FullKVTier, TaskId, TaskResult, ...       the submit/poll interface (base.py)
     open_tier(spec, geometry, options)        "host" | "zmq://HOST:PORT" | "lmcache://HOST:PORT"
 
@@ -23,7 +24,7 @@ _EXPORTS = {
     "TaskStatus": "base",
     "TierOptions": "factory", "open_tier": "factory", "parse_tier_spec": "factory",
     "KVGeometry": "geometry", "alloc_chunks": "layout", "join_chunks": "layout",
-    "split_chunks": "layout",
+    "split_chunks": "layout", "gather_chunk": "layout", "scatter_chunk": "layout",
     "ChunkKey": "keys", "chunk_keys": "keys",
 }
 

@@ -51,7 +51,8 @@ class KVGeometry:
 
     def __post_init__(self) -> None:
         if not self.model_id or "\x00" in self.model_id:
-            raise ValueError(f"model_id must be a non-empty string without NUL, got {self.model_id!r}")
+            raise ValueError(f"model_id must be a non-empty string without NUL, "
+                             f"got {self.model_id!r}")
         for name in ("num_layers", "num_kv_heads", "head_dim", "chunk_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:

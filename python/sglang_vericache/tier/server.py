@@ -29,7 +29,8 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from sglang_vericache.tier.protocol import (
-    KEY_BYTES, NAMESPACE_BYTES, PROTOCOL_VERSION, ChunkManifest, ErrorCode, Op, ProtocolError, PutStatus,
+    KEY_BYTES, NAMESPACE_BYTES, PROTOCOL_VERSION, ChunkManifest, ErrorCode, Op, ProtocolError,
+    PutStatus,
     check_mac, require, require_keys, seal, unpack_header,
 )
 from sglang_vericache.tier.store import Admission, LRUByteStore
@@ -216,7 +217,8 @@ class KVTierServer:
             else:
                 self.counters.bad_requests += 1
             logger.warning("rejected request %d: %s: %s", request_id, exc.code.value, exc)
-            reply, payload, link = {"ok": False, "code": exc.code.value, "error": str(exc)}, [], None
+            reply = {"ok": False, "code": exc.code.value, "error": str(exc)}
+            payload, link = [], None
         except Exception as exc:  # a bug must cost one request, not the server
             self.counters.bad_requests += 1
             logger.exception("internal error on request %d", request_id)

@@ -1,0 +1,135 @@
+"""LMCacheTier. Without the [lmcache] extra only the clear-error path runs; with it, a real
+``lmcache server`` (engine-driven) is started on 127.0.0.1:
+
+    pip install 'sglang-vericache[lmcache]'
+    pytest test/unit/tier/test_tier_lmcache.py -m lmcache
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+import torch
+
+from sglang_vericache.tier import TaskStatus, open_tier
+from sglang_vericache.tier.factory import TierOptions
+from sglang_vericache.tier.geometry import KVGeometry
+from sglang_vericache.tier.keys import ChunkKey, chunk_keys
+from sglang_vericache.tier.layout import alloc_chunks, join_chunks, split_chunks
+from tier_testlib import Results, free_port
+
+HAVE_LMCACHE = importlib.util.find_spec("lmcache") is not None
+needs_lmcache = pytest.mark.skipif(
+    not HAVE_LMCACHE, reason="needs the [lmcache] extra: pip install 'sglang-vericache[lmcache]'")
+
+# chunk_tokens must equal the server's --chunk-size; each layer block must hold the manifest.
+GEOMETRY = KVGeometry("tiny-lmcache", num_layers=2, num_kv_heads=2, head_dim=8,
+                      dtype="float32", chunk_tokens=16)
+
+
+@pytest.mark.skipif(HAVE_LMCACHE, reason="lmcache is installed: the error path cannot run")
+def test_without_lmcache_the_error_names_the_extra() -> None:
+    import sglang_vericache.tier.lmcache as adapter  # importing the module is always fine
+
+    assert "lmcache" not in sys.modules
+    with pytest.raises(ImportError, match=r"pip install 'sglang-vericache\[lmcache\]'"):
+        adapter.LMCacheTier("127.0.0.1", 5555, GEOMETRY)
+    with pytest.raises(ImportError, match="sglang-vericache"):
+        open_tier("lmcache://127.0.0.1:5555", GEOMETRY)
+
+
+def test_pseudo_tokens_encode_the_whole_key() -> None:
+    from sglang_vericache.tier.lmcache import manifest_nbytes, pseudo_tokens
+
+    keys = chunk_keys(GEOMETRY, list(range(40)))
+    encoded = [pseudo_tokens(k, GEOMETRY.chunk_tokens) for k in keys]
+    assert all(len(e) == GEOMETRY.chunk_tokens and all(0 <= t < 2**31 for t in e)
+               for e in encoded)
+    assert len(set(encoded)) == len(keys)
+    other = dataclasses.replace(GEOMETRY, head_dim=4)
+    assert pseudo_tokens(chunk_keys(other, list(range(16)))[0], 16) != encoded[0]
+    assert GEOMETRY.layer_nbytes(GEOMETRY.chunk_tokens) >= manifest_nbytes(GEOMETRY.num_layers)
+
+
+@pytest.fixture(scope="module")
+def lmcache_server() -> Iterator[str]:
+    exe = shutil.which("lmcache") or str(Path(sys.executable).parent / "lmcache")
+    port = free_port()
+    log = tempfile.NamedTemporaryFile("w+", prefix="lmcache-server-", suffix=".log")
+    env = {**os.environ, "LMCACHE_TRACK_USAGE": "false", "DO_NOT_TRACK": "1",
+           "LMCACHE_DISABLE_BANNER": "1", "PYTHONHASHSEED": "0"}
+    proc = subprocess.Popen(
+        [exe, "server", "--host", "127.0.0.1", "--port", str(port), "--l1-size-gb", "0.25",
+         "--chunk-size", str(GEOMETRY.chunk_tokens), "--supported-transfer-mode",
+         "engine_driven", "--http-port", str(free_port())],
+        stdout=log, stderr=subprocess.STDOUT, env=env)
+    try:
+        yield f"lmcache://127.0.0.1:{port}"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def wait_ready(spec: str, geometry: KVGeometry) -> None:
+    deadline = time.monotonic() + 90
+    while True:  # server start-up (imports) takes a while; lookups fail until it is up
+        tier = open_tier(spec, geometry, TierOptions(timeout_s=5))
+        res = Results(tier)
+        result = res.wait(tier.submit_lookup(chunk_keys(geometry, [1] * 16)), timeout_s=30)
+        tier.close()
+        if result.status is TaskStatus.DONE:
+            return
+        assert time.monotonic() < deadline, f"lmcache server not ready: {result.error}"
+        time.sleep(1)
+
+
+@pytest.mark.lmcache
+@needs_lmcache
+def test_lmcache_roundtrip_partial_chunk_and_misses(lmcache_server: str) -> None:
+    wait_ready(lmcache_server, GEOMETRY)
+    tier = open_tier(lmcache_server, GEOMETRY, TierOptions(timeout_s=30))
+    res = Results(tier)
+    tokens = list(range(37))  # 2 full chunks + a 5-token chunk
+    kv = torch.randn(2, 2, 2, 37, 8)
+    keys = chunk_keys(GEOMETRY, tokens)
+    assert res.wait(tier.submit_put(keys, split_chunks(kv, GEOMETRY)), timeout_s=60).all_ok
+    dst = alloc_chunks(GEOMETRY, 37)
+    got = res.wait(tier.submit_fetch(keys, dst), timeout_s=60)
+    assert got.all_ok and torch.equal(join_chunks(dst), kv)
+    look = res.wait(tier.submit_lookup(chunk_keys(GEOMETRY, tokens[:32] + [0] * 5)))
+    assert look.ok == (True, True, False)
+    # Another geometry, even with the same digests, is a miss.
+    other = dataclasses.replace(GEOMETRY, model_id="another-model")
+    other_tier = open_tier(lmcache_server, other, TierOptions(timeout_s=30))
+    other_res = Results(other_tier)
+    forged = [ChunkKey(k.digest, k.num_tokens) for k in keys]
+    miss = other_res.wait(other_tier.submit_fetch(forged, alloc_chunks(other, 37)), timeout_s=60)
+    assert miss.status is TaskStatus.DONE and not any(miss.ok)
+    other_tier.close()
+    tier.close()
+
+
+@pytest.mark.lmcache
+@needs_lmcache
+def test_lmcache_unreachable_is_a_clean_failure() -> None:
+    tier = open_tier(f"lmcache://127.0.0.1:{free_port()}", GEOMETRY, TierOptions(timeout_s=2))
+    res = Results(tier)
+    result = res.wait(tier.submit_fetch(chunk_keys(GEOMETRY, list(range(16))),
+                                        alloc_chunks(GEOMETRY, 16)), timeout_s=30)
+    assert result.status is TaskStatus.FAILED and tier.stats()["fallbacks"] == 1
+    tier.close()
