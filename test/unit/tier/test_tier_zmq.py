@@ -167,3 +167,42 @@ def test_rejects_bad_arguments_synchronously(server: ServerProcess) -> None:
     tier.close()
     with pytest.raises(RuntimeError, match="closed"):
         tier.submit_lookup(keys)
+
+
+def test_a_prefix_stored_by_another_process_is_a_hit(server: ServerProcess) -> None:
+    """Two engines sharing one KV server: what process A computed, process B fetches."""
+    import os
+    import subprocess
+    import sys
+
+    from tier_testlib import PACKAGE_ROOT
+
+    g = geometry("shared-between-processes")
+    code = f"""
+import time, torch
+from sglang_vericache.tier import KVGeometry, chunk_keys, open_tier, split_chunks
+g = KVGeometry(*{dataclasses.astuple(g)!r})
+torch.manual_seed(1234)
+kv = torch.randn(2, 2, 2, 20, 4)
+tier = open_tier({server.spec!r}, g)
+task = tier.submit_put(chunk_keys(g, list(range(500, 520))), split_chunks(kv, g))
+deadline = time.monotonic() + 30
+while True:
+    done = tier.poll()
+    if task in done:
+        assert done[task].all_ok, done[task]
+        break
+    assert time.monotonic() < deadline
+    time.sleep(0.005)
+tier.close()
+"""
+    env = {**os.environ, "PYTHONPATH": PACKAGE_ROOT}
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=120)
+    torch.manual_seed(1234)
+    expected = torch.randn(2, 2, 2, 20, 4)
+    tier = ZmqTier(server.endpoint, g, timeout_s=10)
+    res = Results(tier)
+    dst = alloc_chunks(g, 20)
+    got = res.wait(tier.submit_fetch(chunk_keys(g, list(range(500, 520))), dst))
+    assert got.all_ok and torch.equal(join_chunks(dst), expected)
+    tier.close()
