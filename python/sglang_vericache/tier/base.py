@@ -125,6 +125,11 @@ class FullKVTier(ABC):
     def stats(self) -> dict[str, int]:
         """Client-side counters."""
 
+    @abstractmethod
+    def check_integrity(self) -> None:
+        """Assert the bookkeeping invariants (every submitted task is either in flight or
+        completed exactly once; counters agree). Tests call it after each operation."""
+
 
 def check_batch(geometry: KVGeometry, keys: Sequence[ChunkKey],
                 tensors: Sequence[torch.Tensor] | None, what: str) -> None:

@@ -182,6 +182,15 @@ class LMCacheTier(FullKVTier):
         with self._lock:
             return dict(self._counters)
 
+    def check_integrity(self) -> None:
+        with self._lock:
+            assert not set(self._tasks) & set(self._results), "a task is pending and done"
+            assert all(t.task_id == i for i, t in self._tasks.items())
+            assert all(r.task_id == i for i, r in self._results.items())
+            c = self._counters
+            assert c["completed"] + len(self._tasks) == c["submitted"], "lost a task"
+            assert all(v >= 0 for v in c.values())
+
     # -- bookkeeping -----------------------------------------------------------------------
     def _submit(self, kind: TaskKind, keys: Sequence[ChunkKey],
                 tensors: Sequence[torch.Tensor]) -> TaskId:

@@ -20,7 +20,7 @@ Ops (request fields -> reply fields):
   get    {keys, ns}                          -> {items: [{key, m}]} + one frame per item,
                                                 for the LEADING run of stored keys (prefix)
   exists {keys, ns}                          -> {present: [bool], prefix: int}
-  stats  {}                                  -> {stats: {name: int}}
+  stats  {}                                  -> {stats: {name: int}, integrity: "ok" | why}
   corrupt {keys}  (server --fault-injection only; flips a byte in stored chunks: tests)
 
 A manifest says what a chunk is and that it is complete: ``ns`` (geometry namespace, 16 B),

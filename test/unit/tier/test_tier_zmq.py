@@ -206,3 +206,51 @@ tier.close()
     got = res.wait(tier.submit_fetch(chunk_keys(g, list(range(500, 520))), dst))
     assert got.all_ok and torch.equal(join_chunks(dst), expected)
     tier.close()
+
+
+def test_random_mix_of_tasks_and_cancels_returns_each_result_once(server: ServerProcess) -> None:
+    import random
+
+    rng = random.Random(7)
+    g = geometry("stress", chunk_tokens=64)
+    tier = ZmqTier(server.endpoint, g, timeout_s=20)
+    res = Results(tier)
+    seqs = {i: list(range(i * 1000, i * 1000 + 150)) for i in range(6)}
+    kvs = {i: torch.randn(2, 2, 2, 150, 4) for i in range(6)}
+    stored: set[int] = set()
+    fetches: dict[int, tuple[int, list[torch.Tensor]]] = {}
+    cancelled: set[int] = set()
+    submitted: list[int] = []
+    for _ in range(120):
+        i = rng.randrange(6)
+        op = rng.random()
+        if op < 0.3:
+            task = tier.submit_put(chunk_keys(g, seqs[i]), split_chunks(kvs[i], g))
+            stored.add(i)
+        elif op < 0.8:
+            dst = alloc_chunks(g, 150)
+            task = tier.submit_fetch(chunk_keys(g, seqs[i]), dst)
+            fetches[task] = (i, dst)
+        else:
+            task = tier.submit_lookup(chunk_keys(g, seqs[i]))
+        submitted.append(task)
+        if rng.random() < 0.2:
+            victim = rng.choice(submitted)
+            tier.cancel(victim)
+            cancelled.add(victim)
+        res.drain()
+    results = res.wait_all(submitted, timeout_s=30)
+    time.sleep(0.1)
+    res.drain()  # nothing more may arrive
+    assert len(res.seen) == len(submitted) and tier.poll() == {}
+    for result in results:
+        assert result.status is not TaskStatus.FAILED, result
+        if result.status is TaskStatus.CANCELLED:
+            assert result.task_id in cancelled and not any(result.ok)
+        if result.task_id in fetches and result.all_ok:  # a hit is always the right KV
+            i, dst = fetches[result.task_id]
+            assert torch.equal(join_chunks(dst), kvs[i])
+    stats = tier.stats()
+    assert stats["submitted"] == stats["completed"] == len(submitted)
+    server.stats()  # the server's own integrity check
+    tier.close()

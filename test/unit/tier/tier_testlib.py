@@ -57,7 +57,9 @@ class ServerProcess:
         return int(self.endpoint.rsplit(":", 1)[1])
 
     def stats(self, secret: bytes | None = None) -> dict[str, int]:
-        return server_request(self.endpoint, Op.STATS, secret=secret)["stats"]
+        reply = server_request(self.endpoint, Op.STATS, secret=secret)
+        assert reply["integrity"] == "ok", reply["integrity"]
+        return reply["stats"]
 
     def logs(self) -> str:
         self.log.flush()
@@ -88,6 +90,7 @@ class Results:
         self.seen: dict[TaskId, TaskResult] = {}
 
     def drain(self) -> None:
+        self.tier.check_integrity()
         for task_id, result in self.tier.poll().items():
             assert task_id not in self.seen, f"task {task_id} returned twice"
             assert result.task_id == task_id
