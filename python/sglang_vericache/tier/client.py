@@ -106,6 +106,7 @@ class ZmqTier(FullKVTier):
         self._sock.connect(endpoint)  # asynchronous: never fails for an absent server
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)  # a full pipe already means "wake up"
         self._thread = threading.Thread(target=self._run, name=f"vericache-tier-io:{endpoint}",
                                         daemon=True)
         self._thread.start()
@@ -148,7 +149,8 @@ class ZmqTier(FullKVTier):
             pending = list(self._tasks.values())
         for task in pending:
             self.cancel(task.task_id)
-        os.write(self._wake_w, b"x")
+        with self._lock:
+            self._wake()
         self._thread.join(timeout=5.0)
         os.close(self._wake_r)
         os.close(self._wake_w)
@@ -180,8 +182,14 @@ class ZmqTier(FullKVTier):
             self._tasks[task_id] = task
             self._inbox.append(task)
             self._counters["submitted"] += 1
-        os.write(self._wake_w, b"x")
+            self._wake()  # under the lock: close() cannot close the pipe in between
         return task_id
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"x")
+        except BlockingIOError:
+            pass
 
     def _count(self, name: str, n: int = 1) -> None:
         with self._lock:
