@@ -19,7 +19,8 @@ import torch
 import zmq
 
 from sglang_vericache.tier import TaskStatus, open_tier
-from sglang_vericache.tier.client import ZmqTier, server_request
+from sglang_vericache.tier.admin import server_request
+from sglang_vericache.tier.client import ZmqTier
 from sglang_vericache.tier.factory import TierOptions
 from sglang_vericache.tier.geometry import KVGeometry
 from sglang_vericache.tier.layout import alloc_chunks, join_chunks, split_chunks

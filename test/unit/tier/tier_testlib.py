@@ -14,7 +14,7 @@ from typing import Sequence
 
 import sglang_vericache
 from sglang_vericache.tier.base import FullKVTier, TaskId, TaskResult
-from sglang_vericache.tier.client import server_request
+from sglang_vericache.tier.admin import server_request
 from sglang_vericache.tier.geometry import KVGeometry
 from sglang_vericache.tier.protocol import Op
 
