@@ -2,24 +2,26 @@
 """Generate multi-turn agent sessions (JSONL) for prefix-cache experiments, offline.
 
 Each session is what a coding agent sends an OpenAI-compatible server: a long system
-prompt (instructions + project notes + the tool schemas as JSON), then turns. Each turn
+prompt (instructions + the tool schemas as JSON + project notes), then turns. Each turn
 appends new messages (the task, then tool results: stdlib source files, directory listings
 as JSON, grep hits, test reports) and asks for the assistant's answer. The replay client
 (``replay_agentic.py``) appends the server's answer to the history, so turn k+1's prompt is
 turn k's prompt + answer + the new messages: with ``--reuse 0.9`` the new messages are sized
-so that about 90% of each turn's prompt is the previous turn's prompt + answer.
+so that about 90% of each turn's prompt (in tokens) is the previous turn's prompt + answer.
 
-All text comes from the Python standard library installed here (module sources and
-docstrings), so no download is needed; output is deterministic for a given seed and Python
-build (the Python version is recorded in every line).
+Sizes are in tokens: estimated with a GPT-2-style pre-tokenizer count (within ~10% of
+SmolLM2's BPE on this text), or exact with ``--tokenizer path/to/tokenizer.json`` (needs the
+``tokenizers`` package). All text comes from the Python standard library installed here
+(module sources and docstrings), so nothing is downloaded; output is deterministic for a
+given seed, Python build and token counter (both recorded in every line).
 
     python scripts/agentic_workload.py --sessions 8 --turns 5 --seed 0 -o sessions.jsonl
 
 Line format (one session per line):
-    {"format": "vericache-agentic/1", "session_id", "seed", "python",
+    {"format": "vericache-agentic/1", "session_id", "seed", "python", "token_counter",
      "tools": [OpenAI tool schemas], "messages": [the system message],
      "turns": [{"kind": "task"|"tool_result"|"followup", "append": [messages],
-                "target_reuse": float}]}
+                "tokens": int, "target_reuse": float}]}
 """
 
 from __future__ import annotations
@@ -31,8 +33,10 @@ import importlib.util
 import json
 import os
 import random
+import re
 import sys
 from pathlib import Path
+from typing import Callable
 
 FORMAT = "vericache-agentic/1"
 
@@ -91,6 +95,41 @@ FOLLOWUPS = (
 )
 
 
+# GPT-2-style pre-tokens: each is at least one BPE token; digits count one each.
+_PRETOKEN = re.compile(r" ?[A-Za-z]+|\d| ?[^\s\w]+|\s+(?!\S)|\s+")
+
+TokenCounter = Callable[[str], int]
+
+
+def heuristic_tokens(text: str) -> int:
+    return len(_PRETOKEN.findall(text))
+
+
+def make_counter(tokenizer: str | None) -> tuple[TokenCounter, str]:
+    """(counter, description). ``tokenizer``: a tokenizer.json for exact counts."""
+    if tokenizer is None:
+        return heuristic_tokens, "heuristic-pretokens"
+    from tokenizers import Tokenizer  # optional dependency, only for exact sizing
+
+    tok = Tokenizer.from_file(tokenizer)
+    return (lambda text: len(tok.encode(text, add_special_tokens=False).ids)), \
+        f"tokenizer:{Path(tokenizer).name}"
+
+
+def fit_tokens(build: Callable[[int], str], target: int, count: TokenCounter) -> str:
+    """``build(chars)`` sized so that its token count is close to ``target`` (a few
+    deterministic rescaling rounds; ``build`` must be deterministic in ``chars``)."""
+    chars = max(1, target * 3)
+    text = build(chars)
+    for _ in range(4):
+        n = count(text)
+        if n == 0 or abs(n - target) <= 0.03 * target:
+            break
+        chars = max(1, round(chars * target / n))
+        text = build(chars)
+    return text
+
+
 @functools.lru_cache(maxsize=None)
 def load_sources() -> tuple[tuple[str, str], ...]:
     """(path, source) of every available module in ``SOURCE_MODULES``."""
@@ -106,13 +145,14 @@ def module_source(name: str) -> tuple[str, str] | None:
     return "lib/" + rel, path.read_text(encoding="utf-8", errors="replace")
 
 
-def function_names(source: str) -> list[str]:
+@functools.lru_cache(maxsize=None)
+def function_names(source: str) -> tuple[str, ...]:
     try:
         tree = ast.parse(source)
     except SyntaxError:
-        return []
-    return sorted({n.name for n in ast.walk(tree)
-                   if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))})
+        return ()
+    return tuple(sorted({n.name for n in ast.walk(tree)
+                         if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}))
 
 
 def tool_schemas() -> list[dict]:
@@ -157,35 +197,42 @@ def _fit(text: str, chars: int) -> str:
     return text[: cut if cut > 0 else chars]
 
 
+@functools.lru_cache(maxsize=None)
+def _lines(source: str) -> tuple[str, ...]:
+    return tuple(source.splitlines())
+
+
 def tool_result(rng: random.Random, sources: list[tuple[str, str]], chars: int) -> str:
     kind = rng.choice(("read_file", "read_file", "list_dir", "search_code", "run_tests"))
     path, src = rng.choice(sources)
     if kind == "read_file":
-        lines = src.splitlines()
+        lines = _lines(src)
         start = rng.randrange(max(1, len(lines) - 20))
         numbered = "\n".join(f"{i + 1:5d}  {ln}" for i, ln in enumerate(lines[start:], start))
         call = {"tool": "read_file", "arguments": {"path": path, "start_line": start + 1}}
         body = _fit(numbered, chars)
     elif kind == "list_dir":
-        directory = os.path.dirname(importlib.util.find_spec("json").origin or "")  # type: ignore
+        stdlib = os.path.dirname(os.__file__)
         entries = []
-        for name in sorted(os.listdir(os.path.dirname(directory))):
-            full = os.path.join(os.path.dirname(directory), name)
+        for name in sorted(os.listdir(stdlib)):
+            full = os.path.join(stdlib, name)
             entries.append({"name": name, "dir": os.path.isdir(full),
                             "bytes": os.path.getsize(full) if os.path.isfile(full) else None})
         start = rng.randrange(max(1, len(entries) - 10))
         call = {"tool": "list_dir", "arguments": {"path": "lib"}}
         body = _fit(json.dumps(entries[start:], indent=1), chars)
     elif kind == "search_code":
-        word = rng.choice(function_names(src) or ["return"])
+        word = rng.choice(function_names(src) or ("return",))
         hits = [f"{p}:{i + 1}: {ln.strip()}" for p, s in sources
-                for i, ln in enumerate(s.splitlines()) if word in ln]
+                for i, ln in enumerate(_lines(s)) if word in ln]
         call = {"tool": "search_code", "arguments": {"pattern": word, "glob": "*.py"}}
         body = _fit("\n".join(hits) or "(no hits)", chars)
     else:
-        names = function_names(src) or ["main"]
-        cases = []
-        while len(json.dumps(cases)) < chars and len(cases) < 2000:
+        names = function_names(src) or ("main",)
+        cases: list[dict] = []
+        size = 0
+        while size < chars and len(cases) < 2000:
+            size += 90  # about one indented case in the JSON below
             cases.append({"nodeid": f"tests/test_{Path(path).stem}.py::test_"
                                     f"{rng.choice(names)}_{len(cases)}",
                           "outcome": rng.choices(["passed", "failed", "skipped"], [90, 7, 3])[0],
@@ -208,37 +255,44 @@ def tool_results(rng: random.Random, sources: list[tuple[str, str]], chars: int)
 
 
 def make_session(index: int, seed: int, args: argparse.Namespace,
-                 sources: list[tuple[str, str]], tools: list[dict], system: str) -> dict:
+                 sources: list[tuple[str, str]], tools: list[dict], system: str,
+                 count: TokenCounter) -> dict:
     rng = random.Random(f"{seed}/{index}")
     if not args.shared_system:
-        system = system_prompt(rng, sources, tools, args.system_chars)
-    history_chars = len(system)
+        system = fit_tokens(lambda c: system_prompt(random.Random(f"{seed}/{index}/system"),
+                                                    sources, tools, c),
+                            args.system_tokens, count)
+    history = count(system)  # tokens of the conversation so far (+ estimated answers)
     turns = []
     path, src = rng.choice(sources)
-    func = rng.choice(function_names(src) or ["main"])
+    func = rng.choice(function_names(src) or ("main",))
     for k in range(args.turns):
         # new content sized so that (previous prompt + answer) / prompt ~= reuse
-        new_chars = max(args.min_turn_chars,
-                        int(history_chars * (1 - args.reuse) / args.reuse))
+        target = max(args.min_turn_tokens, round(history * (1 - args.reuse) / args.reuse))
+        turn_seed = f"{seed}/{index}/turn{k}"
+        pick = random.Random(turn_seed)
         if k == 0:
-            kind = "task"
-            task = rng.choice(USER_TASKS).format(func=func, path=path)
-            text = task + "\n\nContext:\n" + tool_results(rng, sources,
-                                                          max(0, new_chars - len(task)))
-        elif rng.random() < args.followup_prob:
-            kind = "followup"
-            ask = rng.choice(FOLLOWUPS).format(func=func, path=path)
-            text = ask + "\n\n" + tool_results(rng, sources, max(0, new_chars - len(ask)))
+            kind, lead = "task", rng.choice(USER_TASKS).format(func=func, path=path)
+            lead += "\n\nContext:\n"
+        elif pick.random() < args.followup_prob:
+            kind, lead = "followup", pick.choice(FOLLOWUPS).format(func=func, path=path) + "\n\n"
         else:
-            kind = "tool_result"
-            text = tool_results(rng, sources, new_chars)
+            kind, lead = "tool_result", ""
+
+        def build(chars: int, lead: str = lead, turn_seed: str = turn_seed) -> str:
+            body_rng = random.Random(turn_seed + "/body")
+            return lead + tool_results(body_rng, sources, max(0, chars - len(lead)))
+
+        text = fit_tokens(build, target, count)
+        n = count(text)
         turns.append({"kind": kind, "append": [{"role": "user", "content": text}],
-                      "target_reuse": round(history_chars / (history_chars + len(text)), 3)
-                      if k else 0.0})
-        history_chars += len(text) + args.answer_chars
+                      "tokens": n,
+                      "target_reuse": round(history / (history + n), 3) if k else 0.0})
+        history += n + args.answer_tokens
     return {"format": FORMAT, "session_id": f"s{index:04d}", "seed": seed,
-            "python": sys.version.split()[0], "tools": tools,
-            "messages": [{"role": "system", "content": system}], "turns": turns}
+            "python": sys.version.split()[0], "token_counter": args.counter_name,
+            "tools": tools, "messages": [{"role": "system", "content": system}],
+            "turns": turns}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -248,11 +302,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--reuse", type=float, default=0.9,
                    help="target fraction of each turn's prompt that is the previous prompt+answer")
-    p.add_argument("--system-chars", type=int, default=6000,
-                   help="system prompt size (~4 chars per token)")
-    p.add_argument("--answer-chars", type=int, default=256,
-                   help="expected answer size, used only to size the next turn")
-    p.add_argument("--min-turn-chars", type=int, default=200)
+    p.add_argument("--system-tokens", type=int, default=1500,
+                   help="system prompt size (at least the instructions + tool schemas, ~850)")
+    p.add_argument("--answer-tokens", type=int, default=64,
+                   help="expected answer size (the replay's --max-tokens); sizes the next turn")
+    p.add_argument("--min-turn-tokens", type=int, default=50)
+    p.add_argument("--tokenizer", default=None,
+                   help="tokenizer.json for exact token counts (default: a heuristic)")
     p.add_argument("--followup-prob", type=float, default=0.3)
     p.add_argument("--shared-system", action=argparse.BooleanOptionalAction, default=True,
                    help="one system prompt for all sessions (an agent fleet) or one each")
@@ -260,27 +316,29 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if not 0 < args.reuse < 1:
         p.error("--reuse must be in (0, 1)")
-    if args.sessions < 1 or args.turns < 1 or args.system_chars < 0:
-        p.error("--sessions/--turns must be >= 1 and --system-chars >= 0")
+    if args.sessions < 1 or args.turns < 1 or args.system_tokens < 0:
+        p.error("--sessions/--turns must be >= 1 and --system-tokens >= 0")
+    count, args.counter_name = make_counter(args.tokenizer)
 
     sources = list(load_sources())
     tools = tool_schemas()
-    system = system_prompt(random.Random(f"{args.seed}/system"), sources, tools,
-                           args.system_chars)
+    system = fit_tokens(lambda c: system_prompt(random.Random(f"{args.seed}/system"),
+                                                sources, tools, c),
+                        args.system_tokens, count)
     out = sys.stdout if args.output == "-" else open(args.output, "w", encoding="utf-8")
     reuse: list[float] = []
     try:
         for i in range(args.sessions):
-            session = make_session(i, args.seed, args, sources, tools, system)
+            session = make_session(i, args.seed, args, sources, tools, system, count)
             reuse += [t["target_reuse"] for t in session["turns"][1:]]
             out.write(json.dumps(session, ensure_ascii=False) + "\n")
     finally:
         if out is not sys.stdout:
             out.close()
     mean = sum(reuse) / len(reuse) if reuse else 0.0
-    print(f"{args.sessions} sessions x {args.turns} turns, system prompt {len(system)} chars, "
-          f"expected reuse after turn 0: {mean:.3f} (answers of ~{args.answer_chars} chars)",
-          file=sys.stderr)
+    print(f"{args.sessions} sessions x {args.turns} turns, system prompt {count(system)} "
+          f"tokens ({args.counter_name}), expected reuse after turn 0: {mean:.3f} "
+          f"(answers of ~{args.answer_tokens} tokens)", file=sys.stderr)
     return 0
 
 

@@ -36,28 +36,32 @@ def _generate(workload, tmp_path, *args: str) -> list[dict]:  # type: ignore[no-
 
 
 def test_generator_is_deterministic_and_seeded(workload, tmp_path):
-    a = _generate(workload, tmp_path, "--sessions", "3", "--turns", "4", "--seed", "7")
-    b = _generate(workload, tmp_path, "--sessions", "3", "--turns", "4", "--seed", "7")
-    c = _generate(workload, tmp_path, "--sessions", "3", "--turns", "4", "--seed", "8")
+    a = _generate(workload, tmp_path, "--sessions", "2", "--turns", "3", "--seed", "7")
+    b = _generate(workload, tmp_path, "--sessions", "2", "--turns", "3", "--seed", "7")
+    c = _generate(workload, tmp_path, "--sessions", "2", "--turns", "3", "--seed", "8")
     assert a == b and a != c
 
 
 def test_sessions_are_openai_chat_with_about_90_percent_reuse(workload, tmp_path):
     sessions = _generate(workload, tmp_path, "--sessions", "4", "--turns", "6",
-                         "--system-chars", "4000", "--answer-chars", "200")
+                         "--system-tokens", "1000", "--answer-tokens", "50")
+    count = workload.heuristic_tokens
     system = sessions[0]["messages"][0]
     assert all(s["messages"] == [system] for s in sessions)  # shared agent system prompt
     assert system["role"] == "system" and '"read_file"' in system["content"]
+    assert 950 <= count(system["content"]) <= 1050
     for s in sessions:
         assert s["format"] == "vericache-agentic/1" and len(s["turns"]) == 6
+        assert s["token_counter"] == "heuristic-pretokens"
         assert all(t["function"]["parameters"]["type"] == "object" for t in s["tools"])
-        history = len(system["content"])
+        history = count(system["content"])
         for k, turn in enumerate(s["turns"]):
             (msg,) = turn["append"]
             assert msg["role"] == "user" and isinstance(msg["content"], str)
-            if k:  # simulate a 200-char answer: reuse = old history / new history
-                assert 0.85 <= history / (history + len(msg["content"])) <= 0.95
-            history += len(msg["content"]) + 200
+            assert turn["tokens"] == count(msg["content"])
+            if k:  # with 50-token answers: reuse = old history / new history
+                assert 0.87 <= history / (history + turn["tokens"]) <= 0.93
+            history += turn["tokens"] + 50
 
 
 class _FakeChat(BaseHTTPRequestHandler):
@@ -91,7 +95,7 @@ class _FakeChat(BaseHTTPRequestHandler):
 def test_replay_appends_answers_and_measures_each_turn(workload, tmp_path):
     replay = _load("replay_agentic")
     sessions = tmp_path / "s.jsonl"
-    assert workload.main(["--sessions", "2", "--turns", "3", "--system-chars", "1500",
+    assert workload.main(["--sessions", "2", "--turns", "3", "--system-tokens", "900",
                           "-o", str(sessions)]) == 0
     server = ThreadingHTTPServer(("127.0.0.1", 0), _FakeChat)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
