@@ -178,7 +178,7 @@ def system_prompt(rng: random.Random, sources: list[tuple[str, str]], tools: lis
     parts = [head]
     size = len(head)
     for path, src in rng.sample(sources, len(sources)):
-        doc = ast.get_docstring(ast.parse(src)) if src else None
+        doc = _docstring(src)
         if not doc:
             continue
         note = f"### {path}\n{doc.strip()}\n\n"
@@ -187,6 +187,25 @@ def system_prompt(rng: random.Random, sources: list[tuple[str, str]], tools: lis
         if size >= chars:
             break
     return "".join(parts)
+
+
+@functools.lru_cache(maxsize=None)
+def _docstring(source: str) -> str | None:
+    try:
+        return ast.get_docstring(ast.parse(source))
+    except SyntaxError:
+        return None
+
+
+@functools.lru_cache(maxsize=None)
+def _stdlib_listing() -> tuple[dict, ...]:
+    stdlib = os.path.dirname(os.__file__)
+    entries = []
+    for name in sorted(os.listdir(stdlib)):
+        full = os.path.join(stdlib, name)
+        entries.append({"name": name, "dir": os.path.isdir(full),
+                        "bytes": os.path.getsize(full) if os.path.isfile(full) else None})
+    return tuple(entries)
 
 
 def _fit(text: str, chars: int) -> str:
@@ -212,15 +231,10 @@ def tool_result(rng: random.Random, sources: list[tuple[str, str]], chars: int) 
         call = {"tool": "read_file", "arguments": {"path": path, "start_line": start + 1}}
         body = _fit(numbered, chars)
     elif kind == "list_dir":
-        stdlib = os.path.dirname(os.__file__)
-        entries = []
-        for name in sorted(os.listdir(stdlib)):
-            full = os.path.join(stdlib, name)
-            entries.append({"name": name, "dir": os.path.isdir(full),
-                            "bytes": os.path.getsize(full) if os.path.isfile(full) else None})
+        entries = _stdlib_listing()
         start = rng.randrange(max(1, len(entries) - 10))
         call = {"tool": "list_dir", "arguments": {"path": "lib"}}
-        body = _fit(json.dumps(entries[start:], indent=1), chars)
+        body = _fit(json.dumps(list(entries[start:]), indent=1), chars)
     elif kind == "search_code":
         word = rng.choice(function_names(src) or ("return",))
         hits = [f"{p}:{i + 1}: {ln.strip()}" for p, s in sources
@@ -303,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reuse", type=float, default=0.9,
                    help="target fraction of each turn's prompt that is the previous prompt+answer")
     p.add_argument("--system-tokens", type=int, default=1500,
-                   help="system prompt size (at least the instructions + tool schemas, ~850)")
+                   help="system prompt size (at least the instructions + tool schemas, ~900)")
     p.add_argument("--answer-tokens", type=int, default=64,
                    help="expected answer size (the replay's --max-tokens); sizes the next turn")
     p.add_argument("--min-turn-tokens", type=int, default=50)
@@ -335,9 +349,9 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if out is not sys.stdout:
             out.close()
-    mean = sum(reuse) / len(reuse) if reuse else 0.0
+    mean = f"{sum(reuse) / len(reuse):.3f}" if reuse else "n/a"
     print(f"{args.sessions} sessions x {args.turns} turns, system prompt {count(system)} "
-          f"tokens ({args.counter_name}), expected reuse after turn 0: {mean:.3f} "
+          f"tokens ({args.counter_name}), expected reuse after turn 0: {mean} "
           f"(answers of ~{args.answer_tokens} tokens)", file=sys.stderr)
     return 0
 
