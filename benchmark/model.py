@@ -155,6 +155,22 @@ class Acceptance:
         return cls(label, float(grid[int(np.argmin(err))]), pts)
 
 
+class VerifyBuffers(StrEnum):
+    """Where a staggered verifier's full KV lands on the device.
+
+    RING: whole full KVs are prefetched into 2*ceil(B/(x+1)) slots (the paper's memory ring), so
+    the link streams continuously and every step carries B/(x+1) verifies' worth of transfer.
+    LAYER: a verifier's full KV streams in layer by layer inside its own step (double-buffered,
+    2*ceil(B/(x+1)) layers of KV), so a step with k verifiers waits for k whole transfers: with
+    B < x+1 most steps carry none and a few carry one.
+    AUTO: throughput() takes whichever gives more tokens/s under the budget.
+    """
+
+    RING = "ring"
+    LAYER = "layer"
+    AUTO = "auto"
+
+
 @dataclass(frozen=True, slots=True)
 class Workload:
     context: int  # tokens of context per request (the KV each step attends over)
@@ -162,10 +178,7 @@ class Workload:
     kept_fraction: float  # c: compressed KV bytes / full KV bytes
     acceptance: Acceptance
     max_batch: int = 128  # offered concurrency: the batch when memory is ample
-    # Staggered verify buffers. False: each verifying request's full KV streams in layer by layer
-    # within its step, double-buffered (layer l+1 arrives while layer l computes). True: whole
-    # full KVs are prefetched a step ahead into two sets of slots (the paper's memory ring).
-    prefetch_whole_kv: bool = False
+    verify_buffers: VerifyBuffers = VerifyBuffers.AUTO
 
     def __post_init__(self) -> None:
         if self.context < 1 or self.draft_len < 1 or self.max_batch < 1:
@@ -209,7 +222,8 @@ def step(system: System, hw: Hardware, model: Model, wl: Workload, batch: float)
     """Average step of ``batch`` requests running ``system``.
 
     Staggered: (B - v) requests draft over c*KV_full, v = B/(x+1) verify x+1 tokens over KV_full,
-    whose bytes cross the interconnect in the same step: T = max(device, interconnect).
+    whose bytes cross the interconnect: T = max(device, interconnect), with v spread evenly over
+    steps (RING buffers) or rounded to whole verifiers per step (LAYER buffers).
     Lock-step: x draft steps for all, then one verify step that streams all B full KVs layer by
     layer (a buffer to prefetch them during drafting would be the full-KV footprint itself).
     """
@@ -234,9 +248,21 @@ def step(system: System, hw: Hardware, model: Model, wl: Workload, batch: float)
         return Step(ovh + sched + max(dev, inter), b, dev, inter)
     if system is System.STAGGERED:
         v = b / (x + 1)
-        dev = _device_s(hw, m + (b - v) * c * kv + v * kv, (b - v) * f_comp + v * (x + 1) * f_full)
-        inter = v * kv / hw.inter_bw
-        return Step(ovh + sched + max(dev, inter), v * e, dev, inter)
+
+        def parts(k: float) -> tuple[float, float]:  # device and link time, k verifiers
+            dev = _device_s(
+                hw, m + (b - k) * c * kv + k * kv, (b - k) * f_comp + k * (x + 1) * f_full
+            )
+            return dev, k * kv / hw.inter_bw
+
+        if _buffers(wl) is VerifyBuffers.RING:
+            dev, inter = parts(v)
+            return Step(ovh + sched + max(dev, inter), v * e, dev, inter)
+        n, frac = math.floor(v), v - math.floor(v)  # steps carry n or n+1 whole verifiers
+        (d0, i0), (d1, i1) = parts(n), parts(n + 1)
+        t = (1 - frac) * max(d0, i0) + frac * max(d1, i1)
+        dev, inter = (1 - frac) * d0 + frac * d1, (1 - frac) * i0 + frac * i1
+        return Step(ovh + sched + t, v * e, dev, inter)
     if system is System.LOCKSTEP:
         draft = _device_s(hw, m + b * c * kv, b * f_comp)
         verify_dev, inter = _device_s(hw, m + b * kv, b * (x + 1) * f_full), b * kv / hw.inter_bw
@@ -245,6 +271,12 @@ def step(system: System, hw: Hardware, model: Model, wl: Workload, batch: float)
             cycle / (x + 1), b * e / (x + 1), (x * draft + verify_dev) / (x + 1), inter / (x + 1)
         )
     raise ValueError(system)
+
+
+def _buffers(wl: Workload) -> VerifyBuffers:
+    if wl.verify_buffers is VerifyBuffers.AUTO:
+        raise ValueError("step() and device_kv_bytes() need RING or LAYER; throughput() picks")
+    return wl.verify_buffers
 
 
 def kv_budget(hw: Hardware, model: Model) -> float:
@@ -266,7 +298,7 @@ def device_kv_bytes(system: System, model: Model, wl: Workload, batch: int) -> f
         return batch * wl.kept_fraction * kv + layer_stream
     if system is System.STAGGERED:
         slots = math.ceil(batch / (wl.draft_len + 1))
-        buffer = kv if wl.prefetch_whole_kv else kv / model.n_layers
+        buffer = kv if _buffers(wl) is VerifyBuffers.RING else kv / model.n_layers
         return batch * wl.kept_fraction * kv + 2.0 * slots * buffer
     raise ValueError(system)
 
@@ -283,7 +315,16 @@ def max_batch(system: System, model: Model, wl: Workload, budget: float) -> int:
 def throughput(
     system: System, hw: Hardware, model: Model, wl: Workload, budget: float | None = None
 ) -> tuple[int, float]:
-    """(batch, committed tokens/s) at the largest batch that fits the KV budget."""
+    """(batch, committed tokens/s) at the largest batch that fits the KV budget.
+
+    Staggered with AUTO buffers: the better of RING and LAYER, each at its own largest batch.
+    """
+    if system is System.STAGGERED and wl.verify_buffers is VerifyBuffers.AUTO:
+        modes = (VerifyBuffers.RING, VerifyBuffers.LAYER)
+        return max(
+            (throughput(system, hw, model, replace(wl, verify_buffers=v), budget) for v in modes),
+            key=lambda bt: bt[1],
+        )
     b = max_batch(system, model, wl, kv_budget(hw, model) if budget is None else budget)
     return b, (step(system, hw, model, wl, b).throughput if b else 0.0)
 

@@ -26,6 +26,14 @@ def _summary(doc: dict) -> list[str]:
     h8, h70 = hl["8B/paper_e21"], hl["70B/paper_e21"]
     kv70, kv_nvl = doc["h200"]["70B"]["kv_budget_gb"], chk["70B"]["kv_budget_gb"]
 
+    def absolute(row: str, lo_ctx: int, hi_ctx: int) -> str:
+        rs = [r for r in chk[row]["context_sweep"] if lo_ctx <= r["context"] <= hi_ctx]
+        full = sorted(r["full"]["tokens_per_s"] for r in rs)
+        stag = sorted(r["staggered"]["tokens_per_s"] for r in rs)
+        return f"{stag[0]:.0f}-{stag[-1]:.0f} vs {full[0]:.0f}-{full[-1]:.0f} tok/s"
+
+    abs70 = absolute("70B", 16384, 32768)
+
     def check(row: str) -> str:
         sp = [r["speedup_staggered"] for r in chk[row]["context_sweep"] if r["speedup_staggered"]]
         return f"{chk[row]['label']}: {min(sp):.2f}-{max(sp):.2f}x"
@@ -44,9 +52,10 @@ def _summary(doc: dict) -> list[str]:
             {val["keep 1024"]["measured_speedup"]:.2f}x), within the stated
             +-{doc["cpu_speedup_tolerance"]:.0%}."""),
         _para(f"""- **The paper's own setups.** The same model and parameters on the paper's GPUs
-            give {check("8B")} and {check("70B")} over 8k-128k contexts (where full KV fits at
-            all), bracketing the paper's typical {lo}-{hi}x (up to 4x): the model reproduces the
-            reported range on the hardware the paper measured."""),
+            give {check("70B")} and {check("8B")} over 8k-128k contexts (where full KV fits at
+            all; Mistral's acceptance is not reported, Qwen-32B's E=19 is assumed), against the
+            paper's {lo}-{hi}x. For Llama-70B at 16k-32k the model gives {abs70}, the paper
+            256 vs 102 tok/s: the model reproduces the reported range on the paper's hardware."""),
         _para(f"""- **H200, long-context decoding (PCIe 5, paper acceptance E=21).** At the H200's
             own KV budget VeriCache is *slower* than full-KV decoding: 8B
             {_range(h8["long_context_own_budget_32k_to_128k"])}, 70B (TP=2)
@@ -217,8 +226,8 @@ def markdown(doc: dict, pngs: list[str]) -> str:
             step: the paper's `max((M + B*KV*(c+1/x))/BW_hbm, B*KV/(x*BW_inter))` with a cycle of
             x drafts plus one verify. Tokens committed per verify `E = (1-a^(x+1))/(1-a)` or a
             measured curve. Each system runs the largest batch whose peak device KV fits the
-            budget: full `B*KV`; VeriCache `B*c*KV` plus per-layer buffers for the verifying
-            requests."""),
+            budget: full `B*KV`; VeriCache `B*c*KV` plus its verify buffers (a ring of whole full
+            KVs, or per-layer streaming, whichever is faster under the budget)."""),
         "",
     ]
     lines += _summary(doc) + _cpu(doc) + _h200(doc)

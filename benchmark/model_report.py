@@ -69,9 +69,11 @@ ASSUMPTIONS = [
     _para("""Acceptance 'ours': measured on SmolLM2-135M on CPU: benchmark/results/compressors.json
         if present, else DESIGN.md §4 (int4 accepts 0.95 of 4 drafts), extrapolated to x = 30 with
         the fitted per-token alpha."""),
-    _para("""Staggered VeriCache: B/(x+1) requests verify per step (the paper's 1/x); their full
-        KV streams in layer by layer within that step (double-buffered), overlapped with the
-        step's HBM work."""),
+    _para("""Staggered VeriCache: B/(x+1) requests verify per step (the paper's 1/x). A
+        verifier's full KV either lands in a ring of 2*ceil(B/(x+1)) whole-KV slots, prefetched so
+        the link streams continuously (the paper's memory ring), or streams in layer by layer
+        inside its own step (double-buffered: far less memory, but a step waits for each whole
+        transfer); the model takes whichever gives more throughput under the budget."""),
     _para("""Lock-step: x draft steps for every request, then one verify step that streams every
         full KV; there is no room to prefetch, since a buffer for all B full KVs is the full-KV
         footprint itself."""),

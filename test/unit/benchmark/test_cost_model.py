@@ -22,8 +22,17 @@ HW = p.h200(p.LLAMA_8B)
 MEMORY_ONLY = replace(HW, step_overhead_s=0.0, flops=1e30)  # the paper's formula: bytes only
 
 
-def workload(alpha: float = 0.97, c: float = 0.25, x: int = 30, ctx: int = 32768) -> m.Workload:
-    return m.Workload(ctx, x, c, m.Acceptance("test", alpha))
+def workload(
+    alpha: float = 0.97,
+    c: float = 0.25,
+    x: int = 30,
+    ctx: int = 32768,
+    buffers: m.VerifyBuffers = m.VerifyBuffers.RING,
+) -> m.Workload:
+    return m.Workload(ctx, x, c, m.Acceptance("test", alpha), verify_buffers=buffers)
+
+
+AUTO, RING, LAYER = m.VerifyBuffers.AUTO, m.VerifyBuffers.RING, m.VerifyBuffers.LAYER
 
 
 def test_tokens_per_verify_bounds_and_monotone() -> None:
@@ -82,24 +91,47 @@ def test_no_compression_and_perfect_acceptance_is_full_kv() -> None:
 
 
 def test_staggered_never_slower_than_lockstep() -> None:
-    for bw, b, x, c, a in itertools.product(
-        (1e9, 55e9, 1e12), (1, 7, 64), (4, 30), (0.1, 0.5), (0.5, 0.97)
-    ):
-        hw, wl = HW.with_inter_bw(bw), workload(alpha=a, c=c, x=x)
-        st = m.step(S.STAGGERED, hw, p.LLAMA_8B, wl, b)
-        assert st.throughput >= m.step(S.LOCKSTEP, hw, p.LLAMA_8B, wl, b).throughput * (1 - 1e-12)
-        for budget in (
-            5e9,
-            40e9,
-            110e9,
-        ):  # and under a KV budget (it fits at least as many requests)
+    grid = itertools.product((1e9, 55e9, 1e12), (1, 7, 64), (4, 30), (0.1, 0.5), (0.5, 0.97))
+    for bw, b, x, c, a in grid:
+        hw = HW.with_inter_bw(bw)
+        lock = m.step(S.LOCKSTEP, hw, p.LLAMA_8B, workload(alpha=a, c=c, x=x), b).throughput
+        for buffers in (RING, LAYER):  # at the same batch, either buffer layout
+            wl = workload(alpha=a, c=c, x=x, buffers=buffers)
+            assert m.step(S.STAGGERED, hw, p.LLAMA_8B, wl, b).throughput >= lock * (1 - 1e-12)
+        wl = workload(alpha=a, c=c, x=x, buffers=AUTO)
+        for budget in (5e9, 40e9, 110e9):  # and under a KV budget
             assert m.throughput(S.STAGGERED, hw, p.LLAMA_8B, wl, budget)[1] >= m.throughput(
                 S.LOCKSTEP, hw, p.LLAMA_8B, wl, budget
             )[1] * (1 - 1e-12)
 
 
+def test_ring_buffers_spread_the_link_layer_buffers_save_memory() -> None:
+    for b, bw in itertools.product((1, 5, 40, 100), (2e9, 55e9)):
+        hw = HW.with_inter_bw(bw)
+        ring, layer = workload(buffers=RING), workload(buffers=LAYER)
+        st_ring, st_layer = (m.step(S.STAGGERED, hw, p.LLAMA_8B, w, b) for w in (ring, layer))
+        assert st_ring.tokens == st_layer.tokens and st_ring.inter_s == pytest.approx(
+            st_layer.inter_s
+        )
+        assert st_ring.seconds <= st_layer.seconds * (1 + 1e-12)  # spreading never hurts
+        assert m.device_kv_bytes(S.STAGGERED, p.LLAMA_8B, layer, b) < m.device_kv_bytes(
+            S.STAGGERED, p.LLAMA_8B, ring, b
+        )
+    # one fetch takes longer than a step but the average fits: only the ring hides it
+    ring, layer = workload(ctx=8192, buffers=RING), workload(ctx=8192, buffers=LAYER)
+    t_ring = m.step(S.STAGGERED, HW, p.LLAMA_8B, ring, 8).seconds
+    assert m.step(S.STAGGERED, HW, p.LLAMA_8B, layer, 8).seconds > 1.3 * t_ring
+    auto = m.throughput(S.STAGGERED, HW, p.LLAMA_8B, workload(buffers=AUTO), 20e9)[1]
+    for buffers in (RING, LAYER):
+        assert auto >= m.throughput(S.STAGGERED, HW, p.LLAMA_8B, workload(buffers=buffers), 20e9)[1]
+    with pytest.raises(ValueError):
+        m.step(S.STAGGERED, HW, p.LLAMA_8B, workload(buffers=AUTO), 8)
+
+
 def test_monotone_in_acceptance_compression_and_bandwidth() -> None:
-    tput = lambda hw, wl: m.throughput(S.STAGGERED, hw, p.LLAMA_8B, wl)[1]  # noqa: E731
+    def tput(hw: m.Hardware, wl: m.Workload) -> float:
+        return m.throughput(S.STAGGERED, hw, p.LLAMA_8B, replace(wl, verify_buffers=AUTO))[1]
+
     alphas = [tput(HW, workload(alpha=a)) for a in (0.5, 0.8, 0.9, 0.97, 0.99)]
     assert all(b > a for a, b in zip(alphas, alphas[1:]))
     cs = [tput(HW, workload(c=c)) for c in (0.5, 0.25, 0.125)]
