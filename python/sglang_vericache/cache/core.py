@@ -68,6 +68,15 @@ class TreeCore:
         parent = node.parent
         return parent is not None and parent.children.get(node.child_key(self.page_size)) is node
 
+    @staticmethod
+    def _is_proper_ancestor(a: TieredNode, b: TieredNode) -> bool:
+        n = b.parent
+        while n is not None:
+            if n is a:
+                return True
+            n = n.parent
+        return False
+
     def _require_attached(self, node: TieredNode) -> None:
         if not self._is_attached(node):
             raise ValueError(f"{node!r} is not in this tree (removed, or another tree's)")

@@ -12,7 +12,8 @@ Invariants (each violation raises ``IntegrityError`` naming the node):
             a write task (a node may lose its handle mid-write); every fetch task's nodes list
             it in ``fetching`` and vice versa.
  locks      lock_ref == pins + (write task) + (fetch tasks) + sum(children's lock_ref);
-            pins == live ``TreeLock``s at the node; tasks cover chains of attached nodes.
+            pins == live ``TreeLock``s at the node; a task's nodes are attached and lie
+            on one root-to-leaf path, in order.
  KV         no unlocked leaf without KV (compressed, resident, or a written/writing tier
             copy); KV-less nodes survive only while locked or as interior tombstones.
  sizes      evictable/protected/resident totals equal the recomputed sums.
@@ -143,7 +144,8 @@ def check_tree_integrity(tree: TreeCore) -> None:
         for task, nodes in tasks.items():
             _require(bool(nodes), f"{kind} task {task!r} covers nothing")
             for a, b in zip(nodes, nodes[1:]):
-                _require(b.parent is a, f"{kind} task {task!r} is not a chain", b)
+                _require(tree._is_proper_ancestor(a, b),
+                         f"{kind} task {task!r} is not ordered along one path", b)
             for node in nodes:
                 _require(id(node) in seen, f"{kind} task {task!r} covers a removed node", node)
                 covered = node.writing == task if kind == "write" else task in node.fetching

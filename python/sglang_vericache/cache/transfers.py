@@ -9,9 +9,10 @@ completion exactly once:
                   └──────────────────────────────────────┘
     STORED ──begin_fetch──> (fetching) ──finish_fetch(slots)──> resident ──release_resident──>
 
-Every task holds one lock on each node it covers (released by its finish), and covers a
-contiguous chain of nodes (each the parent of the next). A node split while a task is in
-flight leaves both halves covered and held. Task ids are the tier client's; write and fetch
+Every task holds one lock on each node it covers (released by its finish). A task's nodes
+lie on one root-to-leaf path, in order (each a descendant of the previous; gaps allowed,
+e.g. a STORED node between two NONE ones). A node split while a task is in flight leaves
+both halves covered and held. Task ids are the tier client's; write and fetch
 ids are separate namespaces.
 """
 
@@ -27,20 +28,20 @@ from sglang_vericache.cache.results import FetchResult
 class TransferOps(TreeCore):
     """Write-through and fetch bookkeeping (mixed into ``TieredRadixTree``)."""
 
-    def _check_chain(self, nodes: Sequence[TieredNode]) -> None:
+    def _check_path(self, nodes: Sequence[TieredNode]) -> None:
         if not nodes:
             raise ValueError("a transfer needs at least one node")
         for node in nodes:
             self._require_attached(node)
             if node.is_root:
                 raise ValueError("the root holds no KV to transfer")
-        for parent, child in zip(nodes, nodes[1:]):
-            if child.parent is not parent:
-                raise ValueError("transfer nodes must be a chain, root to leaf")
+        for upper, lower in zip(nodes, nodes[1:]):
+            if not self._is_proper_ancestor(upper, lower):
+                raise ValueError("transfer nodes must lie on one path, root to leaf")
 
     # ------------------------------------------------------------------ write-through
     def begin_write(self, task: TaskId, nodes: Sequence[TieredNode]) -> None:
-        """Record that the full KV of ``nodes`` (state NONE, a chain) is being written.
+        """Record that the full KV of ``nodes`` (state NONE, on one path) is being written.
 
         Mutates: state NONE -> WRITING; one hold per node until ``finish_write``.
         Raises ValueError (tree unchanged) on a reused task id or a node not in state NONE.
@@ -48,7 +49,7 @@ class TransferOps(TreeCore):
         nodes = list(nodes)
         if task in self._writes:
             raise ValueError(f"write task {task!r} is already in flight")
-        self._check_chain(nodes)
+        self._check_path(nodes)
         for node in nodes:
             if node.full is None or node.full.state is not FullState.NONE:
                 raise ValueError(f"begin_write needs full state NONE, got {node!r}")
@@ -82,7 +83,7 @@ class TransferOps(TreeCore):
 
     # ------------------------------------------------------------------ fetch
     def begin_fetch(self, task: TaskId, nodes: Sequence[TieredNode]) -> None:
-        """Record that the full KV of ``nodes`` (STORED, a chain) is being fetched into
+        """Record that the full KV of ``nodes`` (STORED, on one path) is being fetched into
         caller-owned device slots. Several fetches may cover one node (concurrent
         requests); see ``fetching`` on the node to join one instead.
 
@@ -93,7 +94,7 @@ class TransferOps(TreeCore):
         nodes = list(nodes)
         if task in self._fetches:
             raise ValueError(f"fetch task {task!r} is already in flight")
-        self._check_chain(nodes)
+        self._check_path(nodes)
         for node in nodes:
             if node.full_state is not FullState.STORED:
                 raise ValueError(f"begin_fetch needs full state STORED, got {node!r}")

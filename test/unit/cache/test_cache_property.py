@@ -77,13 +77,13 @@ def _all_nodes(tree) -> list[TieredNode]:  # type: ignore
 
 
 def _chain_up(node: TieredNode, ok, rng: random.Random) -> list[TieredNode]:  # type: ignore
-    """node plus up to 2 ancestors satisfying ``ok``, root to leaf."""
+    """node plus up to 2 ancestors satisfying ``ok`` (gaps allowed), root to leaf."""
     chain = [node]
-    while rng.random() < 0.5 and len(chain) < 3:
-        parent = chain[0].parent
-        if parent is None or parent.is_root or not ok(parent):
-            break
-        chain.insert(0, parent)
+    n = node.parent
+    while n is not None and not n.is_root and len(chain) < 3:
+        if ok(n) and rng.random() < 0.5:
+            chain.insert(0, n)
+        n = n.parent
     return chain
 
 

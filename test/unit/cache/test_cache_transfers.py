@@ -38,7 +38,7 @@ def test_write_errors(h):
     other = h.insert([7, 7]).last_node
     with pytest.raises(ValueError, match="at least one"):
         h.tree.begin_write(1, [])
-    with pytest.raises(ValueError, match="chain"):
+    with pytest.raises(ValueError, match="one path"):
         h.tree.begin_write(1, [r.last_node, other])
     h.tree.begin_write(1, [r.last_node])
     with pytest.raises(ValueError, match="already in flight"):
@@ -53,6 +53,26 @@ def test_write_errors(h):
     no_keys = h.insert([5, 5], full=False).last_node
     with pytest.raises(ValueError, match="NONE"):
         h.tree.begin_write(3, [no_keys])
+    h.check()
+
+
+def test_write_may_skip_stored_nodes_on_the_path(h):
+    a = h.insert(list(range(2))).last_node
+    r = h.insert(list(range(4)))
+    b = r.last_node
+    assert r.to_write == (a, b)
+    h.tree.begin_write(1, [b])  # only b is written (a's write is left for later)
+    h.tree.finish_write(1, True)
+    r = h.insert(list(range(6)))
+    c = r.last_node
+    assert r.to_write == (a, c)  # b, in between, is already STORED
+    with pytest.raises(ValueError, match="one path"):
+        h.tree.begin_write(9, [c, a])
+    h.tree.begin_write(9, r.to_write)
+    assert a.writing == c.writing == 9 and b.writing is None
+    h.check()
+    h.tree.finish_write(9, True)
+    assert all(n.full_state is FullState.STORED for n in (a, b, c))
     h.check()
 
 
