@@ -18,7 +18,7 @@ the tree shape, matching, insertion, locking and eviction.
 from __future__ import annotations
 
 import heapq
-from typing import Iterable, Sequence
+from typing import Iterable, Iterator, Sequence
 
 from sglang_vericache.cache.integrity import check_tree_integrity
 from sglang_vericache.cache.node import (
@@ -67,7 +67,7 @@ class TieredRadixTree(TransferOps):
         """Whether ``evict_local(num_slots)`` would free at least ``num_slots`` slots."""
         return num_slots <= self._evictable_slots
 
-    def nodes(self) -> Iterable[TieredNode]:
+    def nodes(self) -> Iterator[TieredNode]:
         """All nodes except the root, parents before children (deterministic order)."""
         stack = list(reversed(list(self.root.children.values())))
         while stack:
