@@ -1,18 +1,44 @@
 """Kernel tests run the Triton kernels on a GPU when present, else under Triton's CPU interpreter.
 
-TRITON_INTERPRET must be set before the kernels' module is imported (triton.jit reads it when
-decorating), hence here, before any test module imports sglang_vericache.ops.triton.
+TRITON_INTERPRET must be set when the kernels' module is imported (triton.jit reads it when
+decorating), hence here, before any test module runs a kernel.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 
 import pytest
 import torch
 
+
+def _load_kernels_interpreted() -> None:
+    """Build the kernels with Triton's CPU interpreter, then restore the environment so that
+    nothing else in this pytest process (other suites, SGLang) is switched to the interpreter."""
+    previous = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        module = importlib.import_module("sglang_vericache.ops.triton.quant_decode_kernels")
+        if not module.kernels_are_interpreted():
+            importlib.reload(module)
+    finally:
+        if previous is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = previous
+
+
 if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+    _load_kernels_interpreted()
+
+
+@pytest.fixture(autouse=True)
+def _interpreter_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Triton checks TRITON_INTERPRET again while launching interpreted kernels: keep it set for
+    the duration of each kernel test only."""
+    if not torch.cuda.is_available():
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture

@@ -34,7 +34,8 @@ def _inputs(lengths: list[int], heads_kv: int, dim: int, page: int, bits: int, w
 
 
 def _run(inp: PagedQuantBatchInputs, heads_q: int, device: torch.device, splits: int | None,
-         q: torch.Tensor | None = None, backend: DecodeBackend | None = None
+         q: torch.Tensor | None = None,
+         backend: DecodeBackend | None = DecodeBackend.TRITON
          ) -> tuple[torch.Tensor, torch.Tensor, QuantPagedDecodeWrapper]:
     batch = inp.batch.batch_size
     dim = inp.cache.head_dim
@@ -120,7 +121,7 @@ def test_one_plan_many_layers_and_strided_q(device: torch.device) -> None:
     layers = [first, dataclasses.replace(first, cache=cache2, window=window2)]
     ws = QuantDecodeWorkspace.allocate(max_batch=2, num_q_heads=4, head_dim=32, max_splits=4,
                                        max_pages=layers[0].cache.num_pages, device=device)
-    wrapper = QuantPagedDecodeWrapper(ws, QuantDecodeLaunch(num_splits=2))
+    wrapper = QuantPagedDecodeWrapper(ws, QuantDecodeLaunch(DecodeBackend.TRITON, num_splits=2))
     wrapper.plan(layers[0].batch, layers[0].cache, layers[0].window, num_q_heads=4)
     qkv = torch.randn(2, 12, 32).to(torch.float16).to(device)
     q = qkv[:, :4]  # a view with a batch stride of 12 heads, like a fused qkv projection
@@ -138,6 +139,15 @@ def test_torch_backend_is_the_reference(device: torch.device) -> None:
                              backend=DecodeBackend.TORCH)
     assert wrapper.backend is DecodeBackend.TORCH
     assert torch.equal(out, ref)
+
+
+def test_auto_backend_is_triton_on_cuda_and_torch_on_cpu(device: torch.device) -> None:
+    inp = _inputs([40], heads_kv=1, dim=16, page=8, bits=4, window=4, dtype=torch.float32,
+                  device=device)
+    out, ref, wrapper = _run(inp, heads_q=2, device=device, splits=None, backend=None)
+    expected = DecodeBackend.TRITON if device.type == "cuda" else DecodeBackend.TORCH
+    assert wrapper.backend is expected
+    _assert_close(out, ref, torch.float32)
 
 
 def test_errors(device: torch.device) -> None:
@@ -172,6 +182,7 @@ def test_gpu_sized_batch(bits: int, heads_q: int, heads_kv: int, dim: int, page:
     inp = _inputs(lengths, heads_kv=heads_kv, dim=dim, page=page, bits=bits, window=64,
                   dtype=torch.bfloat16, device=device)
     for splits in (None, 1, 7):
-        out, ref, wrapper = _run(inp, heads_q=heads_q, device=device, splits=splits)
+        out, ref, wrapper = _run(inp, heads_q=heads_q, device=device, splits=splits,
+                                 backend=None)
         assert wrapper.backend is DecodeBackend.TRITON
         _assert_close(out, ref, torch.bfloat16)

@@ -36,7 +36,8 @@ class DecodeBackend(enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class QuantDecodeLaunch:
-    """Launch knobs. backend None: Triton when it can run on the tensors' device, else torch.
+    """Launch knobs. backend None: Triton on CUDA, torch elsewhere (TRITON forces the kernels,
+    also on CPU when they were built by Triton's interpreter).
     num_splits None: enough (request, kv head, split) programs to fill the device."""
 
     backend: DecodeBackend | None = None
@@ -171,7 +172,7 @@ class _TritonDecode:
         )
         self._kernels.merge_splits_kernel[(batch, heads_q)](
             part_o, part_lse, out, heads_q, splits, out.stride(0), out.stride(1),
-            HEAD_DIM=dim, BLOCK_S=_next_pow2(splits), num_warps=1 if self._interpreted else 4,
+            HEAD_DIM=dim, BLOCK_S=max(2, _next_pow2(splits)), num_warps=1 if self._interpreted else 4,
         )
 
 
@@ -266,8 +267,9 @@ class QuantPagedDecodeWrapper:
 
     def _select_backend(self, device: torch.device) -> _TorchDecode | _TritonDecode:
         choice = self._launch.backend
-        if choice is None:
-            choice = DecodeBackend.TRITON if triton_runs_on(device) else DecodeBackend.TORCH
+        if choice is None:  # the interpreter is for tests only: auto never picks it on CPU
+            use_triton = device.type == "cuda" and triton_runs_on(device)
+            choice = DecodeBackend.TRITON if use_triton else DecodeBackend.TORCH
         if choice is DecodeBackend.TRITON:
             if not triton_runs_on(device):
                 raise RuntimeError(f"Triton kernels cannot run on {device} in this process")

@@ -7,12 +7,18 @@ once per kv head; the group is padded to BLOCK_G >= 16 rows for tl.dot. The last
 covers the recent window. Each split writes its normalised partial output and its log2-sum-exp.
 Stage 2, one program per (request, query head): merges the splits by log-sum-exp.
 
-Scales are folded out of the inner products instead of dequantizing every element:
-  keys   (per channel):  q . (c * s + z)   = (q * s) . c + q . z      (q * s once per page)
-  values (per token):    sum_t p_t (c_t * s_t + z_t) = (p * s) @ c + sum_t p_t z_t
-Integer codes become exact 16-bit floats with a bit trick ((c | MAGIC) reinterpreted is
-OFFSET + c), and the OFFSET is subtracted from the fp32 dot result using the same rounded
-operands, so the fold adds no error beyond rounding q*s and p*s to the dot dtype.
+Bit planes instead of interleaving: code j of every byte (channels j, j + PL, j + 2 PL, ... with
+PL = 8 / BITS codes per byte) forms a plane of D / PL channels, and every product is a sum of
+per-plane dots. So a plane is a shift and a mask of the loaded bytes, with no register shuffle.
+
+Integer codes become exact 16-bit floats with a bit trick: (c | MAGIC) reinterpreted is
+OFFSET + c (bf16: 0x4300 = 128.0; fp16: 0x6400 = 1024.0).
+  keys (per channel scale/zero):  k = fma(c, s, z) in the dot dtype (packed bf16x2/f16x2 FMAs),
+                                  i.e. the dequantized key rounded once to the KV dtype;
+  values (per token scale/zero):  sum_t p_t (c_t s_t + z_t) = (p * s) @ c + sum_t p_t z_t,
+                                  the scale folded into p and the zero term kept as one number per
+                                  query row, so value codes go to the dot untouched; the OFFSET is
+                                  removed with the same rounded p * s the dot saw.
 """
 
 from __future__ import annotations
@@ -22,25 +28,36 @@ import triton.language as tl
 
 
 @triton.jit
-def _codes_as_dot_operand(packed, BITS: tl.constexpr, MAGIC: tl.constexpr,
-                          DOT_DTYPE: tl.constexpr):
-    """[R, W] uint8 -> [R, W * 8 / BITS] codes in channel order, as DOT_DTYPE (+ OFFSET)."""
-    wide = packed.to(tl.int16)
-    if BITS == 4:
-        lo = (wide & 0xF) | MAGIC
-        hi = (wide >> 4) | MAGIC
-        codes = tl.interleave(lo, hi)
-    else:
-        c0 = (wide & 0x3) | MAGIC
-        c1 = ((wide >> 2) & 0x3) | MAGIC
-        c2 = ((wide >> 4) & 0x3) | MAGIC
-        c3 = (wide >> 6) | MAGIC
-        codes = tl.interleave(tl.interleave(c0, c2), tl.interleave(c1, c3))
+def _code_plane(packed, PLANE: tl.constexpr, BITS: tl.constexpr, CODE_MASK: tl.constexpr,
+                DOT_DTYPE: tl.constexpr, MAGIC: tl.constexpr):
+    """Plane PLANE of [R, W] int16 packed bytes as DOT_DTYPE values OFFSET + code (exact)."""
+    codes = (packed >> (PLANE * BITS)) & CODE_MASK
     if MAGIC == 0:
         result = codes.to(DOT_DTYPE)
     else:
-        result = codes.to(DOT_DTYPE, bitcast=True)
+        result = (codes | MAGIC).to(DOT_DTYPE, bitcast=True)
     return result
+
+
+@triton.jit
+def _dequant_plane(packed, PLANE: tl.constexpr, scale_ptr, zero_ptr, BITS: tl.constexpr,
+                   CODE_MASK: tl.constexpr, DOT_DTYPE: tl.constexpr, MAGIC: tl.constexpr,
+                   OFFSET: tl.constexpr, UPCAST: tl.constexpr):
+    """Keys of one plane: fma(code, scale, zero) per channel, rounded once to DOT_DTYPE.
+    scale_ptr/zero_ptr: the page's [D] channel scales/zeros (the plane reads stride PL).
+    UPCAST (interpreter, which cannot build 16-bit float constants): the same math in fp32."""
+    w = tl.arange(0, packed.shape[1])
+    scale = tl.load(scale_ptr + w * (8 // BITS) + PLANE)
+    zero = tl.load(zero_ptr + w * (8 // BITS) + PLANE)
+    codes = _code_plane(packed, PLANE, BITS, CODE_MASK, DOT_DTYPE, MAGIC)
+    if UPCAST:
+        keys = tl.fma(codes.to(tl.float32) - OFFSET, scale.to(tl.float32)[None, :],
+                      zero.to(tl.float32)[None, :]).to(DOT_DTYPE)
+    else:
+        if MAGIC != 0:
+            codes = codes - OFFSET  # exact: small integers
+        keys = tl.fma(codes, scale.to(DOT_DTYPE)[None, :], zero.to(DOT_DTYPE)[None, :])
+    return keys
 
 
 @triton.jit
@@ -73,16 +90,25 @@ def quant_decode_split_kernel(
     pid_b = tl.program_id(0)
     pid_h = tl.program_id(1)
     pid_s = tl.program_id(2)
-    WIDTH: tl.constexpr = HEAD_DIM * BITS // 8
+    PL: tl.constexpr = 8 // BITS  # codes per byte = bit planes
+    WIDTH: tl.constexpr = HEAD_DIM // PL  # bytes per token row = channels per plane
+    CODE_MASK: tl.constexpr = (1 << BITS) - 1
 
     g = tl.arange(0, BLOCK_G)
-    d = tl.arange(0, HEAD_DIM)
-    col = tl.arange(0, WIDTH)
+    w = tl.arange(0, WIDTH)
     row = tl.arange(0, BLOCK_P)
     g_ok = g < GROUP
     head_q = pid_h * GROUP + g
-    q = tl.load(q_ptr + pid_b.to(tl.int64) * stride_qb + head_q[:, None] * stride_qh + d[None, :],
-                mask=g_ok[:, None], other=0.0).to(tl.float32) * qk_scale
+    q_rows = q_ptr + pid_b.to(tl.int64) * stride_qb + head_q[:, None] * stride_qh
+    # Query planes [BLOCK_G, WIDTH]: plane j holds channels w * PL + j. Unused planes are dead
+    # code for int4 (PL == 2) and vanish at compile time.
+    q0 = tl.load(q_rows + (w * PL)[None, :], mask=g_ok[:, None], other=0.0).to(DOT_DTYPE)
+    q1 = tl.load(q_rows + (w * PL + 1)[None, :], mask=g_ok[:, None], other=0.0).to(DOT_DTYPE)
+    q2 = q0
+    q3 = q1
+    if PL == 4:
+        q2 = tl.load(q_rows + (w * PL + 2)[None, :], mask=g_ok[:, None], other=0.0).to(DOT_DTYPE)
+        q3 = tl.load(q_rows + (w * PL + 3)[None, :], mask=g_ok[:, None], other=0.0).to(DOT_DTYPE)
 
     page_base = tl.load(kv_indptr_ptr + pid_b)
     num_pages = tl.load(kv_indptr_ptr + pid_b + 1) - page_base
@@ -94,67 +120,107 @@ def quant_decode_split_kernel(
 
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_G, HEAD_DIM], dtype=tl.float32)
+    zero_acc = tl.zeros([BLOCK_G], dtype=tl.float32)  # sum_t p_t z_t: the same for every channel
+    acc0 = tl.zeros([BLOCK_G, WIDTH], dtype=tl.float32)
+    acc1 = tl.zeros([BLOCK_G, WIDTH], dtype=tl.float32)
+    acc2 = tl.zeros([BLOCK_G, WIDTH], dtype=tl.float32)
+    acc3 = tl.zeros([BLOCK_G, WIDTH], dtype=tl.float32)
 
     for i in range(first, last):
         page = tl.load(kv_page_indices_ptr + page_base + i).to(tl.int64)
         n_valid = tl.where(i == num_pages - 1, last_len, PAGE)
         head_page = page * num_kv_heads + pid_h
         tok_ok = row < n_valid
+        tile = head_page * (PAGE * WIDTH) + row[:, None] * WIDTH + w[None, :]
 
-        k_bytes = tl.load(k_packed_ptr + head_page * (PAGE * WIDTH) + row[:, None] * WIDTH
-                          + col[None, :], mask=row_in_page[:, None], other=0)
-        k_scale = tl.load(k_scale_ptr + head_page * HEAD_DIM + d).to(tl.float32)
-        k_zero = tl.load(k_zero_ptr + head_page * HEAD_DIM + d).to(tl.float32)
-        q_scaled = (q * k_scale[None, :]).to(DOT_DTYPE)
-        bias = tl.sum(q * k_zero[None, :], 1) - OFFSET * tl.sum(q_scaled.to(tl.float32), 1)
-        k_ops = _codes_as_dot_operand(k_bytes, BITS, MAGIC, DOT_DTYPE)
-        s = _mma(q_scaled, tl.trans(k_ops), UPCAST, IEEE) + bias[:, None]
-        s = tl.where(tok_ok[None, :], s, float("-inf"))
+        k_bytes = tl.load(k_packed_ptr + tile, mask=row_in_page[:, None], other=0).to(tl.int16)
+        chan = k_scale_ptr + head_page * HEAD_DIM
+        zero = k_zero_ptr + head_page * HEAD_DIM
+        s = _mma(q0, tl.trans(_dequant_plane(k_bytes, 0, chan, zero, BITS, CODE_MASK, DOT_DTYPE,
+                                             MAGIC, OFFSET, UPCAST)), UPCAST, IEEE)
+        s += _mma(q1, tl.trans(_dequant_plane(k_bytes, 1, chan, zero, BITS, CODE_MASK, DOT_DTYPE,
+                                              MAGIC, OFFSET, UPCAST)), UPCAST, IEEE)
+        if PL == 4:
+            s += _mma(q2, tl.trans(_dequant_plane(k_bytes, 2, chan, zero, BITS, CODE_MASK,
+                                                  DOT_DTYPE, MAGIC, OFFSET, UPCAST)), UPCAST, IEEE)
+            s += _mma(q3, tl.trans(_dequant_plane(k_bytes, 3, chan, zero, BITS, CODE_MASK,
+                                                  DOT_DTYPE, MAGIC, OFFSET, UPCAST)), UPCAST, IEEE)
+        s = tl.where(tok_ok[None, :], s * qk_scale, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
 
-        v_bytes = tl.load(v_packed_ptr + head_page * (PAGE * WIDTH) + row[:, None] * WIDTH
-                          + col[None, :], mask=row_in_page[:, None], other=0)
-        v_scale = tl.load(v_scale_ptr + head_page * PAGE + row, mask=tok_ok, other=0.0).to(tl.float32)
-        v_zero = tl.load(v_zero_ptr + head_page * PAGE + row, mask=tok_ok, other=0.0).to(tl.float32)
-        p_scaled = (p * v_scale[None, :]).to(DOT_DTYPE)
-        v_ops = _codes_as_dot_operand(v_bytes, BITS, MAGIC, DOT_DTYPE)
-        pv = _mma(p_scaled, v_ops, UPCAST, IEEE)
-        corr = tl.sum(p * v_zero[None, :], 1) - OFFSET * tl.sum(p_scaled.to(tl.float32), 1)
-        acc = acc * alpha[:, None] + pv + corr[:, None]
+        v_bytes = tl.load(v_packed_ptr + tile, mask=row_in_page[:, None], other=0).to(tl.int16)
+        v_scale = tl.load(v_scale_ptr + head_page * PAGE + row, mask=tok_ok, other=0.0)
+        v_zero = tl.load(v_zero_ptr + head_page * PAGE + row, mask=tok_ok, other=0.0)
+        p_scaled = (p * v_scale.to(tl.float32)[None, :]).to(DOT_DTYPE)
+        zero_acc = zero_acc * alpha + tl.sum(p * v_zero.to(tl.float32)[None, :]
+                                             - OFFSET * p_scaled.to(tl.float32), 1)
+        acc0 = acc0 * alpha[:, None] + _mma(p_scaled, _code_plane(v_bytes, 0, BITS, CODE_MASK,
+                                                                  DOT_DTYPE, MAGIC), UPCAST, IEEE)
+        acc1 = acc1 * alpha[:, None] + _mma(p_scaled, _code_plane(v_bytes, 1, BITS, CODE_MASK,
+                                                                  DOT_DTYPE, MAGIC), UPCAST, IEEE)
+        if PL == 4:
+            acc2 = acc2 * alpha[:, None] + _mma(p_scaled, _code_plane(
+                v_bytes, 2, BITS, CODE_MASK, DOT_DTYPE, MAGIC), UPCAST, IEEE)
+            acc3 = acc3 * alpha[:, None] + _mma(p_scaled, _code_plane(
+                v_bytes, 3, BITS, CODE_MASK, DOT_DTYPE, MAGIC), UPCAST, IEEE)
         m_i = m_new
 
-    # The recent full-precision window belongs to the last split.
+    # The recent full-precision window belongs to the last split; it is read plane by plane
+    # (strided channels) so that it accumulates into the same planes.
     window_len = tl.load(window_len_ptr + pid_b)
     window_len = tl.where(pid_s == num_splits - 1, window_len, 0)
     slot = tl.load(window_slot_ptr + pid_b).to(tl.int64)
     win_base = (slot * num_kv_heads + pid_h) * window_capacity
-    q_dot = q.to(DOT_DTYPE)
     t_local = tl.arange(0, BLOCK_W)
     for t0 in range(0, window_len, BLOCK_W):
         t = t0 + t_local
         t_ok = t < window_len
-        offs = (win_base + t[:, None]) * HEAD_DIM + d[None, :]
-        k_win = tl.load(win_k_ptr + offs, mask=t_ok[:, None], other=0.0).to(DOT_DTYPE)
-        s = _mma(q_dot, tl.trans(k_win), UPCAST, IEEE)
-        s = tl.where(t_ok[None, :], s, float("-inf"))
+        offs = (win_base + t[:, None]) * HEAD_DIM + (w * PL)[None, :]
+        mask = t_ok[:, None]
+        s = _mma(q0, tl.trans(tl.load(win_k_ptr + offs, mask=mask, other=0.0).to(DOT_DTYPE)),
+                 UPCAST, IEEE)
+        s += _mma(q1, tl.trans(tl.load(win_k_ptr + offs + 1, mask=mask, other=0.0)
+                               .to(DOT_DTYPE)), UPCAST, IEEE)
+        if PL == 4:
+            s += _mma(q2, tl.trans(tl.load(win_k_ptr + offs + 2, mask=mask, other=0.0)
+                                   .to(DOT_DTYPE)), UPCAST, IEEE)
+            s += _mma(q3, tl.trans(tl.load(win_k_ptr + offs + 3, mask=mask, other=0.0)
+                                   .to(DOT_DTYPE)), UPCAST, IEEE)
+        s = tl.where(t_ok[None, :], s * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v_win = tl.load(win_v_ptr + offs, mask=t_ok[:, None], other=0.0).to(DOT_DTYPE)
-        acc = acc * alpha[:, None] + _mma(p.to(DOT_DTYPE), v_win, UPCAST, IEEE)
+        zero_acc = zero_acc * alpha
+        p_dot = p.to(DOT_DTYPE)
+        acc0 = acc0 * alpha[:, None] + _mma(
+            p_dot, tl.load(win_v_ptr + offs, mask=mask, other=0.0).to(DOT_DTYPE), UPCAST, IEEE)
+        acc1 = acc1 * alpha[:, None] + _mma(
+            p_dot, tl.load(win_v_ptr + offs + 1, mask=mask, other=0.0).to(DOT_DTYPE), UPCAST, IEEE)
+        if PL == 4:
+            acc2 = acc2 * alpha[:, None] + _mma(
+                p_dot, tl.load(win_v_ptr + offs + 2, mask=mask, other=0.0).to(DOT_DTYPE),
+                UPCAST, IEEE)
+            acc3 = acc3 * alpha[:, None] + _mma(
+                p_dot, tl.load(win_v_ptr + offs + 3, mask=mask, other=0.0).to(DOT_DTYPE),
+                UPCAST, IEEE)
         m_i = m_new
 
     has_tokens = l_i > 0
-    out = acc / tl.where(has_tokens, l_i, 1.0)[:, None]
+    inv_l = 1.0 / tl.where(has_tokens, l_i, 1.0)
     lse = tl.where(has_tokens, m_i + tl.log2(tl.where(has_tokens, l_i, 1.0)), float("-inf"))
     row_id = (pid_b * (num_kv_heads * GROUP) + head_q).to(tl.int64) * num_splits + pid_s
-    tl.store(part_o_ptr + row_id[:, None] * HEAD_DIM + d[None, :], out, mask=g_ok[:, None])
+    out_rows = part_o_ptr + row_id[:, None] * HEAD_DIM + (w * PL)[None, :]
+    zero_part = (zero_acc * inv_l)[:, None]
+    tl.store(out_rows, acc0 * inv_l[:, None] + zero_part, mask=g_ok[:, None])
+    tl.store(out_rows + 1, acc1 * inv_l[:, None] + zero_part, mask=g_ok[:, None])
+    if PL == 4:
+        tl.store(out_rows + 2, acc2 * inv_l[:, None] + zero_part, mask=g_ok[:, None])
+        tl.store(out_rows + 3, acc3 * inv_l[:, None] + zero_part, mask=g_ok[:, None])
     tl.store(part_lse_ptr + row_id, lse, mask=g_ok)
 
 

@@ -1,0 +1,143 @@
+"""Achieved bandwidth of the quantized paged decode kernel vs the device's measured copy bandwidth.
+
+For each (shape, bits, dtype) it sweeps launch configs (splits x warps x stages), keeps the
+fastest, checks that config against the float32 torch reference on the same inputs, and reports
+GB/s = bytes the decode must read / kernel time, as a percentage of the D2D copy bandwidth
+(bytes read + written per second). Run: PYTHONPATH=python python kernels/bench_quant_decode.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import time
+
+import torch
+from bench_common import (
+    GIB,
+    DecodeShape,
+    bench_device,
+    decode_bytes_read,
+    dense_kv_bytes,
+    device_info,
+    measure_copy_bandwidth,
+    random_quant_inputs,
+    time_ms,
+    write_json,
+)
+
+from sglang_vericache.ops.quant_decode import (
+    DecodeBackend,
+    QuantDecodeLaunch,
+    QuantDecodeWorkspace,
+    QuantPagedDecodeWrapper,
+)
+from sglang_vericache.ops.reference import quant_paged_decode_reference
+
+SHAPES = (
+    DecodeShape("gqa4_h8_d128_b32x8k", batch=32, context=8192, num_q_heads=32, num_kv_heads=8,
+                head_dim=128),
+    DecodeShape("smollm2_h3_d64_b32x8k", batch=32, context=8192, num_q_heads=9, num_kv_heads=3,
+                head_dim=64),
+)
+VARIANTS = (  # (shape index, bits, dtype)
+    (0, 4, torch.bfloat16), (0, 2, torch.bfloat16), (0, 4, torch.float16),
+    (1, 4, torch.bfloat16), (1, 2, torch.bfloat16),
+)
+SPLITS = (None, 2, 4, 8, 16)
+WARPS = (4, 8)
+STAGES = (2, 3)
+SMOKE_SHAPES = (  # CPU interpreter: exercises the script, measures nothing
+    DecodeShape("smoke_gqa4", batch=2, context=200, num_q_heads=8, num_kv_heads=2, head_dim=32,
+                page_size=16, recent_window=8),
+    DecodeShape("smoke_gqa3", batch=2, context=120, num_q_heads=3, num_kv_heads=1, head_dim=16,
+                page_size=16, recent_window=8),
+)
+
+
+def _wrapper(shape: DecodeShape, launch: QuantDecodeLaunch, inp, device: torch.device
+             ) -> QuantPagedDecodeWrapper:
+    ws = QuantDecodeWorkspace.allocate(max_batch=shape.batch, num_q_heads=shape.num_q_heads,
+                                       head_dim=shape.head_dim, max_splits=32,
+                                       max_pages=inp.batch.kv_page_indices.numel(), device=device)
+    wrapper = QuantPagedDecodeWrapper(ws, launch)
+    wrapper.plan(inp.batch, inp.cache, inp.window, num_q_heads=shape.num_q_heads)
+    return wrapper
+
+
+def bench_variant(shape: DecodeShape, bits: int, dtype: torch.dtype, copy_gbps: float,
+                  device: torch.device, budget_s: float, smoke: bool) -> dict[str, object]:
+    inp = random_quant_inputs(shape, bits, dtype, device)
+    q = torch.randn(shape.batch, shape.num_q_heads, shape.head_dim, device=device).to(dtype)
+    out = torch.empty_like(q)
+    nbytes = decode_bytes_read(shape, bits, dtype)
+    trials, started = [], time.monotonic()
+    iters, repeats = (1, 1) if smoke else (20, 5)
+    sweep = ((4, 2, 2),) if smoke else tuple(itertools.product(WARPS, STAGES, SPLITS))
+    for warps, stages, splits in sweep:
+        if time.monotonic() - started > budget_s and trials:
+            break
+        launch = QuantDecodeLaunch(DecodeBackend.TRITON, num_splits=splits, num_warps=warps,
+                                   num_stages=stages)
+        try:
+            wrapper = _wrapper(shape, launch, inp, device)
+            ms = time_ms(lambda: wrapper.run(q, inp.cache, inp.window, out=out), device,
+                         iters=iters, repeats=repeats)
+        except Exception as exc:  # a config the compiler rejects is skipped, not fatal
+            trials.append({"warps": warps, "stages": stages, "splits": splits,
+                           "error": f"{type(exc).__name__}: {exc}"[:300]})
+            continue
+        trials.append({"warps": warps, "stages": stages, "splits": wrapper.num_splits,
+                       "requested_splits": splits, "us": ms * 1e3,
+                       "GBps": nbytes / (ms * 1e-3) / 1e9})
+    timed = [t for t in trials if "us" in t]
+    if not timed:
+        return {"shape": shape, "bits": bits, "dtype": dtype, "trials": trials, "ok": False}
+    best = min(timed, key=lambda t: t["us"])
+    launch = QuantDecodeLaunch(DecodeBackend.TRITON, num_splits=best["splits"],
+                               num_warps=best["warps"], num_stages=best["stages"])
+    result = _wrapper(shape, launch, inp, device).run(q, inp.cache, inp.window)
+    ref = quant_paged_decode_reference(q, inp.cache, inp.window, inp.batch)
+    err = (result.float() - ref.float()).abs().max().item()
+    return {
+        "shape": shape, "bits": bits, "dtype": dtype, "bytes_read": nbytes,
+        "dense_kv_bytes": dense_kv_bytes(shape, dtype), "best": best,
+        "pct_of_copy_bw": 100.0 * best["GBps"] / copy_gbps,
+        "max_abs_err_vs_reference": err, "ok": bool(err < 5e-2), "trials": trials,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out", default="gpu_out/quant_decode.json")
+    parser.add_argument("--budget-s", type=float, default=20.0,
+                        help="sweep time per variant before settling on the best so far")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes, one config (CPU ok)")
+    args = parser.parse_args()
+    device = bench_device(args.smoke)
+    shapes = SMOKE_SHAPES if args.smoke else SHAPES
+    copy = measure_copy_bandwidth(device, nbytes=(1 << 20) if args.smoke else 2 * GIB)
+    print(f"copy bandwidth: D2D {copy['d2d_copy_GBps']:.0f} GB/s (read+write), "
+          f"H2D pinned {copy['h2d_pinned_GBps']:.1f} GB/s", flush=True)
+    results = []
+    for shape_index, bits, dtype in VARIANTS:
+        shape = shapes[shape_index]
+        res = bench_variant(shape, bits, dtype, copy["d2d_copy_GBps"], device, args.budget_s,
+                            args.smoke)
+        results.append(res)
+        if "best" in res:
+            best = res["best"]
+            print(f"{shape.name} int{bits} {str(dtype)[6:]}: {best['us']:.1f} us, "
+                  f"{best['GBps']:.0f} GB/s = {res['pct_of_copy_bw']:.1f}% of copy bw "
+                  f"(warps {best['warps']}, stages {best['stages']}, splits {best['splits']}); "
+                  f"max err {res['max_abs_err_vs_reference']:.2e}", flush=True)
+        else:
+            print(f"{shape.name} int{bits} {str(dtype)[6:]}: no config ran: {res['trials'][:1]}",
+                  flush=True)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    write_json(args.out, {"device": device_info(), "copy": copy, "results": results})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# GPU check for the ops/ kernels (issue 7), one run on a CUDA machine that has torch + triton.
+# Needs nothing else: imports only sglang_vericache.ops (no sglang) from this working tree.
+#   1. kernel-vs-reference tests on the GPU (pytest if present, else kernels/selfcheck.py)
+#   2. bandwidth of the quantized decode kernel vs measured copy bandwidth (B=32 x 8k)
+#   3. draft step time alone vs with a concurrent pinned H2D full-KV copy on a side stream
+# Writes JSON (and the log) to $OUT (default ./gpu_out); ends with one SUMMARY line.
+# Budget: well under 6 minutes; every step has a hard timeout.
+# Usage: bash scripts/gpu_check.sh        (env: OUT, PYTHON)
+set -u
+cd "$(dirname "$0")/.." || exit 2
+OUT=${OUT:-./gpu_out}
+mkdir -p "$OUT"
+: > "$OUT/steps.txt"
+exec > >(tee -a "$OUT/gpu_check.log") 2>&1
+export PYTHONPATH="python${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+unset TRITON_INTERPRET
+PY=${PYTHON:-python3}
+START=$(date +%s)
+
+log() { echo "[gpu_check +$(( $(date +%s) - START ))s] $*"; }
+
+step() {  # step NAME LIMIT_S CMD...
+  local name=$1 limit=$2
+  shift 2
+  log "start $name (limit ${limit}s): $*"
+  timeout -k 10 "$limit" "$@"
+  local rc=$?
+  [ "$rc" -eq 124 ] && log "$name TIMED OUT"
+  log "end $name rc=$rc"
+  echo "$name $rc" >> "$OUT/steps.txt"
+}
+
+step env 30 "$PY" -c "
+import json, torch, triton
+ok = torch.cuda.is_available()
+info = {'torch': torch.__version__, 'triton': triton.__version__, 'cuda': ok,
+        'gpu': torch.cuda.get_device_name(0) if ok else None}
+print(info); json.dump(info, open('$OUT/env.json', 'w'))
+raise SystemExit(0 if ok else 1)"
+nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm,clocks.mem --format=csv 2>/dev/null || true
+
+if "$PY" -c "import pytest" 2>/dev/null; then
+  step kernel_tests 120 "$PY" -m pytest test/kernels -q -p no:cacheprovider -rs \
+    --junitxml="$OUT/kernel_tests.xml"
+else
+  log "pytest not found: falling back to kernels/selfcheck.py"
+  step kernel_tests 120 "$PY" kernels/selfcheck.py --out "$OUT/selfcheck.json"
+fi
+
+step quant_decode_bench 140 "$PY" kernels/bench_quant_decode.py --out "$OUT/quant_decode.json" \
+  --budget-s 15
+step overlap_bench 60 "$PY" kernels/bench_overlap.py --out "$OUT/overlap.json"
+
+log "done in $(( $(date +%s) - START ))s; step exit codes: $(tr '\n' ' ' < "$OUT/steps.txt")"
+"$PY" kernels/summarize.py "$OUT"
