@@ -15,13 +15,33 @@ CPU defaults (applied only where the user left the flag unset):
 
 from __future__ import annotations
 
+from functools import cache
+
 import torch
 from sglang.srt.platforms.cpu import CpuSRTPlatform
 from sglang.srt.platforms.device_mixin import PlatformEnum
-from sglang.srt.platforms.interface import PlatformCapabilities
+from sglang.srt.platforms.interface import KVPoolKind, PlatformCapabilities
 
 CPU_MEM_FRACTION_STATIC = 0.2
 PLATFORM_QUALNAME = "sglang_vericache.srt.platform.TorchCpuPlatform"
+
+
+@cache
+def cpu_mha_pool_cls() -> type:
+    """The in-tree MHA pool without its Triton slot-copy kernel (built on first use).
+
+    With a speculative algorithm SGLang builds the pool with ``enable_kv_cache_copy`` and warms
+    up a Triton tile-copy kernel, which cannot launch without a GPU. VeriCache verifies a chain
+    (not a tree), so it never moves accepted KV between slots and needs no copy kernel. Built
+    lazily: the pool module imports the platform registry, which imports this module.
+    """
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+    class TorchCpuMHAPool(MHATokenToKVPool):
+        def _init_kv_copy_and_warmup(self) -> None:
+            self._kv_copy_config = None
+
+    return TorchCpuMHAPool
 
 
 class TorchCpuPlatform(CpuSRTPlatform):
@@ -36,6 +56,9 @@ class TorchCpuPlatform(CpuSRTPlatform):
 
     def get_default_attention_backend(self) -> str:
         return "torch_native"
+
+    def get_kv_pool_cls(self, *, kind: KVPoolKind) -> type | None:
+        return cpu_mha_pool_cls() if kind == "mha" else None
 
     def apply_server_args_defaults(self, server_args) -> None:
         if server_args.dtype == "auto":

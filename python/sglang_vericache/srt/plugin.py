@@ -38,23 +38,38 @@ _HOOK_SOURCE = "sglang_vericache"
 _registered = False
 
 
-class VeriCacheUnavailableError(RuntimeError):
-    """``--vericache`` was asked for, but this build cannot serve it."""
-
-
 def _add_cli_args(result: Any, parser: argparse.ArgumentParser, *args: Any, **kw: Any) -> Any:
     add_cli_flags(parser)
     return result
 
 
-def _check_servable(config: VeriCacheConfig) -> None:
-    if config.enabled:
-        # Until the VERICACHE decoding worker lands, refuse rather than serve without it.
-        raise VeriCacheConfigError(
-            "--vericache",
-            "the VeriCache decoding worker is not part of this build yet (sglang-vericache "
-            "foundation release); serve without --vericache, or install a release that has it",
-        )
+# Flags that --vericache sets itself; a user value would silently fight it.
+_OWNED_FLAGS = {
+    "--speculative-algorithm": "--vericache selects its own speculative algorithm",
+    "--speculative-num-draft-tokens": "use --vericache-draft-len",
+    "--attention-backend": "--vericache selects its own attention backend",
+    "--enable-mixed-chunk": "mixed prefill/decode batches would decode without verification",
+}
+
+
+def _check_compatible(config: VeriCacheConfig, argv: list[str]) -> None:
+    if not config.enabled:
+        return
+    given = {a.split("=", 1)[0] for a in argv}
+    for flag, why in _OWNED_FLAGS.items():
+        if flag in given:
+            raise VeriCacheConfigError("--vericache", f"cannot be combined with {flag} ({why})")
+
+
+def _apply(server_args: Any, config: VeriCacheConfig) -> None:
+    """Point SGLang at the VERICACHE worker and attention backend (record not yet resolved)."""
+    from sglang_vericache.srt.registration import ALGORITHM, AUTO_DRAFT_LEN, BACKEND_NAME
+
+    drafts = AUTO_DRAFT_LEN if config.draft_len is None else config.draft_len
+    server_args.speculative_algorithm = ALGORITHM
+    server_args.speculative_num_draft_tokens = drafts + 1  # verify width: last token + drafts
+    server_args.attention_backend = BACKEND_NAME
+    server_args.disable_overlap_schedule = True  # the worker runs synchronously
 
 
 def _prepare_server_args(original: Callable[..., Any], argv: list[str], *a: Any, **kw: Any) -> Any:
@@ -62,7 +77,7 @@ def _prepare_server_args(original: Callable[..., Any], argv: list[str], *a: Any,
     if "-h" not in argv and "--help" not in argv:
         try:
             config = parse_cli_flags(argv)
-            _check_servable(config)
+            _check_compatible(config, argv)
         except VeriCacheConfigError as exc:
             prog = "sglang serve" if "sglang" in sys.argv[0] else "sglang.launch_server"
             argparse.ArgumentParser(prog=prog).error(str(exc))  # exits with status 2
@@ -71,6 +86,8 @@ def _prepare_server_args(original: Callable[..., Any], argv: list[str], *a: Any,
         config = VeriCacheConfig()
     server_args = original(argv, *a, **kw)
     setattr(server_args, SERVER_ARGS_ATTR, config.to_dict())
+    if config.enabled:
+        _apply(server_args, config)
     return server_args
 
 
@@ -117,6 +134,9 @@ def register() -> None:
     from sglang.srt.arg_groups.resolution_hooks import register_resolution_hook
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
+    from sglang_vericache.srt.patches import register_patches
+    from sglang_vericache.srt.registration import register_algorithm, register_backend
+
     HookRegistry.register(
         "sglang.srt.server_args.ServerArgs.add_cli_args", _add_cli_args, HookType.AFTER
     )
@@ -124,4 +144,7 @@ def register() -> None:
         "sglang.srt.server_args.prepare_server_args", _prepare_server_args, HookType.AROUND
     )
     register_resolution_hook("handle_missing_default_values")(_cpu_device_default)
+    register_backend()
+    register_algorithm()
+    register_patches()
     _registered = True

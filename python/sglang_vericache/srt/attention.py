@@ -1,0 +1,147 @@
+"""The ``vericache`` attention backend: torch_native plus compressed drafting and a fast verify.
+
+Three forward kinds reach it (``AttentionBackend.forward`` dispatches DECODE to
+``forward_decode``, everything else to ``forward_extend``):
+
+- EXTEND (prefill): the stock torch_native path, so prompt KV is bit-identical to plain SGLang's.
+  While the worker holds a ``QueryCapture``, the last W queries of each request are recorded for
+  the compressors that score by attention (SnapKV, H2O).
+- DECODE while the worker holds ``DraftViews`` (drafting): each request attends over its
+  compressed view of the committed context plus the full-precision KV of its own draft chain::
+
+      positions   0 ............. base-1 | base ... seq_len-1
+      keys        compressed view (kept / | pool slots written by this
+                  dequantized tokens)     | step's draft forwards
+- TARGET_VERIFY: the draft is checked against the full KV in the pool with one masked SDPA per
+  request over [0, base + D). Stock torch_native's extend would run a query for every prefix
+  position (O(L^2): 16 s for one verify at 8k); this is O(D * L).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+from sglang.srt.mem_cache.memory_pool import KVWriteLoc
+from torch.nn.functional import scaled_dot_product_attention
+
+if TYPE_CHECKING:
+    from sglang.srt.layers.radix_attention import RadixAttention
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+
+@dataclass(slots=True)
+class DraftViews:
+    """Per batch row: the committed KV length and the compressed view of each layer.
+
+    base_lens[i]: committed KV positions of row i at the start of this step (int, host).
+    views[i]: None (row decodes over the full pool) or, per layer, (keys, values) each
+        [H_kv, T_view, D] in the KV dtype.
+    """
+
+    base_lens: list[int]
+    views: list[list[tuple[torch.Tensor, torch.Tensor]] | None]
+
+
+@dataclass(slots=True)
+class QueryCapture:
+    """Records post-RoPE queries per batch row and layer: the last ``window`` of each row.
+
+    queries[i][layer] is [H_q, n, D] (n <= window), appended by each forward in order.
+    """
+
+    window: int
+    queries: list[dict[int, torch.Tensor]] = field(default_factory=list)
+
+    def record(self, layer_id: int, q: torch.Tensor, row_lens: list[int]) -> None:
+        """q: [sum(row_lens), H_q, D] for the rows of one forward, in row order."""
+        if not self.queries:
+            self.queries = [{} for _ in row_lens]
+        start = 0
+        for i, n in enumerate(row_lens):
+            rows = q[start + max(0, n - self.window) : start + n].transpose(0, 1).clone()
+            prev = self.queries[i].get(layer_id)
+            if prev is not None:
+                rows = torch.cat([prev, rows], dim=1)[:, -self.window :]
+            self.queries[i][layer_id] = rows
+            start += n
+
+
+class VeriCacheAttnBackend(TorchNativeAttnBackend):
+    """torch_native with compressed-view drafting and an O(D*L) verify (see module doc).
+
+    The worker sets ``draft`` / ``capture`` around its forwards and clears them after; with both
+    None the backend behaves exactly like torch_native (plus the fast verify).
+    """
+
+    def __init__(self, model_runner) -> None:
+        super().__init__(model_runner)
+        self.draft: DraftViews | None = None
+        self.capture: QueryCapture | None = None
+
+    def _write_kv(self, layer, fb, k, v, save_kv_cache: bool) -> None:
+        if save_kv_cache and k is not None and v is not None:
+            self.token_to_kv_pool.set_kv_buffer(
+                layer, KVWriteLoc(fb.out_cache_loc, self.swa_out_cache_loc), k, v
+            )
+
+    def _row_kv(self, layer_id: int, row: int, start: int, end: int):
+        """Pool K/V of positions [start, end) of a req_to_token row, each [H_kv, n, D]."""
+        slots = self.req_to_token_pool.req_to_token[row, start:end]
+        k = self.token_to_kv_pool.get_key_buffer(layer_id)[slots]
+        v = self.token_to_kv_pool.get_value_buffer(layer_id)[slots]
+        return k.transpose(0, 1), v.transpose(0, 1)
+
+    def forward_extend(self, q, k, v, layer: RadixAttention, fb: ForwardBatch, save_kv_cache=True):
+        if fb.forward_mode.is_target_verify():
+            return self._forward_verify(q, k, v, layer, fb, save_kv_cache)
+        out = super().forward_extend(q, k, v, layer, fb, save_kv_cache)
+        if self.capture is not None and fb.extend_seq_lens_cpu is not None:
+            q3 = q.view(-1, layer.tp_q_head_num, layer.qk_head_dim)
+            self.capture.record(layer.layer_id, q3, list(fb.extend_seq_lens_cpu))
+        return out
+
+    def _forward_verify(self, q, k, v, layer: RadixAttention, fb: ForwardBatch, save_kv_cache):
+        self._write_kv(layer, fb, k, v, save_kv_cache)
+        n_tok = fb.spec_info.draft_token_num
+        q3 = q.view(-1, layer.tp_q_head_num, layer.qk_head_dim)
+        out = q.new_empty((q3.shape[0], layer.tp_q_head_num, layer.v_head_dim))
+        if self.capture is not None:
+            self.capture.record(layer.layer_id, q3, [n_tok] * len(fb.seq_lens_cpu))
+        gqa = layer.tp_q_head_num != layer.tp_k_head_num
+        for i, base in enumerate(fb.seq_lens_cpu.tolist()):
+            row = int(fb.req_pool_indices[i])
+            keys, values = self._row_kv(layer.layer_id, row, 0, base + n_tok)
+            qi = q3[i * n_tok : (i + 1) * n_tok].transpose(0, 1)  # [H_q, D_tok, D]
+            q_pos = torch.arange(base, base + n_tok, device=q.device)[:, None]
+            mask = torch.arange(base + n_tok, device=q.device)[None, :] <= q_pos
+            o = scaled_dot_product_attention(
+                qi.unsqueeze(0), keys.unsqueeze(0).to(qi.dtype), values.unsqueeze(0).to(qi.dtype),
+                attn_mask=mask, scale=layer.scaling, enable_gqa=gqa,
+            )  # fmt: skip
+            out[i * n_tok : (i + 1) * n_tok] = o.squeeze(0).transpose(0, 1)
+        return out.view(-1, layer.tp_q_head_num * layer.v_head_dim)
+
+    def forward_decode(self, q, k, v, layer: RadixAttention, fb: ForwardBatch, save_kv_cache=True):
+        if self.draft is None:
+            return super().forward_decode(q, k, v, layer, fb, save_kv_cache)
+        self._write_kv(layer, fb, k, v, save_kv_cache)
+        q3 = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
+        out = q.new_empty((q3.shape[0], layer.tp_q_head_num, layer.v_head_dim))
+        gqa = layer.tp_q_head_num != layer.tp_k_head_num
+        for i, seq_len in enumerate(fb.seq_lens_cpu.tolist()):
+            row = int(fb.req_pool_indices[i])
+            view = self.draft.views[i]
+            base = self.draft.base_lens[i] if view is not None else 0
+            keys, values = self._row_kv(layer.layer_id, row, base, seq_len)
+            if view is not None:
+                vk, vv = view[layer.layer_id]
+                keys, values = torch.cat([vk, keys], dim=1), torch.cat([vv, values], dim=1)
+            qi = q3[i : i + 1].transpose(0, 1)  # [H_q, 1, D]
+            o = scaled_dot_product_attention(
+                qi.unsqueeze(0), keys.unsqueeze(0).to(qi.dtype), values.unsqueeze(0).to(qi.dtype),
+                scale=layer.scaling, enable_gqa=gqa,
+            )  # fmt: skip
+            out[i] = o.squeeze(0).transpose(0, 1)[0]
+        return out.view(-1, layer.tp_q_head_num * layer.v_head_dim)

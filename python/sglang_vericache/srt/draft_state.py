@@ -1,0 +1,92 @@
+"""Per-request compressed KV: built from the pool after prefill, grown from each verify.
+
+Everything here works on plain tensors handed in by the worker (pool buffers and slot indices),
+so the state logic does not depend on SGLang's batch types.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+from sglang_vericache.compress import CompressedLayerCache, Compressor, Observation
+from sglang_vericache.verify import VeriCacheStats
+
+# (layer_id, slots [n] int64) -> (keys, values), each [H_kv, n, D]: reads the device pool.
+PoolReader = Callable[[int, Tensor], tuple[Tensor, Tensor]]
+
+
+@dataclass(slots=True)
+class RequestDraftState:
+    """The compressed KV of one request, one ``CompressedLayerCache`` per layer.
+
+    ``covered`` is the number of leading positions whose KV the caches hold (compressed or in
+    their full-precision recent window); it always equals the request's committed KV length
+    after each step.
+    """
+
+    layers: list[CompressedLayerCache]
+    covered: int
+    stats: VeriCacheStats = field(default_factory=VeriCacheStats)
+    _views: list[tuple[Tensor, Tensor]] | None = None
+
+    @classmethod
+    def build(
+        cls,
+        compressor: Compressor,
+        read: PoolReader,
+        slots: Tensor,
+        queries: Sequence[Tensor | None],
+        num_layers: int,
+    ) -> "RequestDraftState":
+        """Compress the full KV at ``slots`` ([T] int64, positions 0..T-1) layer by layer.
+
+        queries[layer]: [H_q, W, D] post-RoPE queries of the last W prompt tokens, or None.
+        """
+        t = slots.numel()
+        caches = []
+        for layer in range(num_layers):
+            keys, values = read(layer, slots)
+            q = queries[layer]
+            obs = Observation(
+                queries=q,
+                query_positions=None if q is None else torch.arange(t - q.shape[1], t),
+                num_layers=num_layers,
+            )
+            ckv = compressor.compress(layer, keys, values, obs)
+            caches.append(CompressedLayerCache(compressor, layer, ckv, num_layers=num_layers))
+        return cls(layers=caches, covered=t)
+
+    def views(self) -> list[tuple[Tensor, Tensor]]:
+        """Per layer (keys, values) [H_kv, T_view, D] to draft from; cached until ``append``."""
+        if self._views is None:
+            self._views = [cache.view()[:2] for cache in self.layers]
+        return self._views
+
+    def append(self, read: PoolReader, slots: Tensor, queries: Sequence[Tensor | None]) -> None:
+        """Add newly committed tokens (KV at ``slots`` [n], positions covered..covered+n-1).
+
+        queries[layer]: [H_q, n, D] queries of the same tokens (from the verify pass), or None.
+        """
+        n = slots.numel()
+        if n == 0:
+            return
+        positions = torch.arange(self.covered, self.covered + n)
+        for layer, cache in enumerate(self.layers):
+            keys, values = read(layer, slots)
+            cache.append(keys, values, positions, queries[layer])
+        self.covered += n
+        self._views = None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the compressed caches store (packed ints + scales + kept tokens + windows)."""
+        return sum(cache.nbytes for cache in self.layers)
+
+    def check_integrity(self) -> None:
+        for cache in self.layers:
+            cache.check_integrity()
+            assert cache.num_tokens == self.covered, "a layer covers a different token count"

@@ -1,0 +1,52 @@
+"""The one patch VeriCache applies to SGLang (0.5.23), and why it cannot be avoided.
+
+``sglang.srt.mem_cache.allocation.assign_req_to_token_pool_func`` writes freshly allocated KV
+slots into request rows. Speculative decoding (every ``--speculative-algorithm``, so VERICACHE
+too) reaches it through ``alloc_for_spec_decode``, and on an out-of-tree platform it launches a
+Triton kernel, which needs a GPU; SGLang's own CPU branch is taken only for its sgl_kernel CPU
+engine, and no platform hook chooses the implementation. The AROUND hook below keeps the
+original for device tensors and writes the rows with torch when they live on the CPU.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+TARGET = "sglang.srt.mem_cache.allocation.assign_req_to_token_pool_func"
+
+
+def assign_rows_torch(
+    req_pool_indices: torch.Tensor,
+    req_to_token: torch.Tensor,
+    start_offset: torch.Tensor,
+    end_offset: torch.Tensor,
+    out_cache_loc: torch.Tensor,
+) -> None:
+    """req_to_token[row_i, start_i:end_i] = the next (end_i - start_i) entries of out_cache_loc.
+
+    req_pool_indices, start_offset, end_offset: [bs] integer; out_cache_loc: [sum(end - start)].
+    """
+    offset = 0
+    for row, start, end in zip(
+        req_pool_indices.tolist(), start_offset.tolist(), end_offset.tolist()
+    ):
+        n = end - start
+        req_to_token[row, start:end] = out_cache_loc[offset : offset + n].to(req_to_token.dtype)
+        offset += n
+
+
+def _assign_around(original: Callable[..., Any], req_pool_indices, req_to_token, start_offset,
+                   end_offset, out_cache_loc, batch_size, *args: Any, **kw: Any) -> Any:  # fmt: skip
+    if req_to_token.device.type != "cpu":
+        return original(req_pool_indices, req_to_token, start_offset, end_offset, out_cache_loc,
+                        batch_size, *args, **kw)  # fmt: skip
+    assign_rows_torch(req_pool_indices, req_to_token, start_offset, end_offset, out_cache_loc)
+    return None
+
+
+def register_patches() -> None:
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    HookRegistry.register(TARGET, _assign_around, HookType.AROUND)

@@ -1,0 +1,271 @@
+"""The VERICACHE speculative worker: draft from compressed KV, verify against the full KV.
+
+SGLang drives it through the V2 spec-worker schema with overlap off: ``forward_batch_generation``
+gets every extend (prefill) and decode batch. Per decode step and request::
+
+    last committed token t0 (no KV yet) at position p = committed KV length
+    draft:   x DECODE forwards, attention over the compressed view + the draft chain -> d1..dx
+    verify:  one TARGET_VERIFY forward of [t0, d1..dx] at positions p..p+x over the full KV
+    commit:  longest prefix of d matching the verifier's argmax + its correction/bonus token;
+             positions p..p+n hold exact KV (written by the verify), appended to the compressed
+             cache; drafts past the first mismatch are rolled back (their slots are rewritten
+             by the next step)
+
+Only tokens the full-KV verify produced are ever committed, so greedy output equals plain
+decoding. A request that cannot be drafted greedily (temperature > 0, penalties, grammar,
+logprobs) makes the step a plain one-token decode with SGLang's own sampler.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from sglang.srt.managers.utils import GenerationBatchResult
+from sglang.srt.model_executor.forward_batch_info import ForwardMode
+from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
+from sglang.srt.speculative.ngram_info import NgramVerifyInput
+
+from sglang_vericache.compress import build_compressor
+from sglang_vericache.srt.attention import DraftViews, QueryCapture, VeriCacheAttnBackend
+from sglang_vericache.srt.draft_state import RequestDraftState
+from sglang_vericache.srt.plugin import vericache_config
+from sglang_vericache.verify import VeriCacheStats, VerifyRecord, greedy_accept
+
+logger = logging.getLogger(__name__)
+
+OBS_WINDOW = 32  # prompt queries kept for attention-scored compressors (SnapKV, H2O)
+
+
+def plain_reason(req: Any) -> str | None:
+    """Why ``req`` cannot be drafted greedily (None: it can). Such requests decode plainly."""
+    sp = req.sampling_params
+    if sp.top_k != 1:
+        return "sampling (temperature > 0)"
+    if sp.frequency_penalty or sp.presence_penalty or sp.repetition_penalty != 1.0:
+        return "penalties"
+    if sp.min_new_tokens or sp.logit_bias or getattr(req, "custom_logit_processor", None):
+        return "logit processing"
+    if getattr(req, "grammar", None) is not None:
+        return "constrained decoding"
+    if req.return_logprob:
+        return "logprobs requested"
+    return None
+
+
+class VeriCacheWorker(BaseSpecWorker):
+    """Same-model drafting on compressed KV, verification on full KV (see module doc)."""
+
+    def __init__(self, server_args, gpu_id, nccl_port, target_worker, **_: Any) -> None:
+        super().__init__()
+        self._target_worker = target_worker
+        self._draft_worker = None
+        self.model_runner = target_worker.model_runner
+        self.device = self.model_runner.device
+        self.config = vericache_config(server_args)
+        self.compressor = build_compressor(self.config.compressor)
+        self.speculative_num_draft_tokens = int(server_args.speculative_num_draft_tokens)
+        self.num_layers = self.model_runner.model_config.num_hidden_layers
+        self.states: dict[str, RequestDraftState] = {}
+        self.plain: dict[str, VeriCacheStats] = {}
+        logger.info(
+            "VeriCache worker: compressor %s, verify width %d",
+            self.compressor.spec, self.speculative_num_draft_tokens,
+        )  # fmt: skip
+
+    @property
+    def attn(self) -> VeriCacheAttnBackend:
+        """The model runner's backend (built after this worker, so looked up on use)."""
+        attn = self.model_runner.attn_backend
+        if not isinstance(attn, VeriCacheAttnBackend):
+            raise RuntimeError(
+                f"--vericache needs the 'vericache' attention backend, got {type(attn).__name__}"
+            )
+        return attn
+
+    # -- pool access -------------------------------------------------------------------------
+
+    def _read_pool(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        pool = self.model_runner.token_to_kv_pool
+        k = pool.get_key_buffer(layer)[slots].transpose(0, 1)
+        v = pool.get_value_buffer(layer)[slots].transpose(0, 1)
+        return k, v
+
+    def _row_slots(self, row: int, start: int, end: int) -> torch.Tensor:
+        """Pool slots of positions [start, end) of req_to_token row ``row``: [n] int64."""
+        table = self.model_runner.req_to_token_pool.req_to_token
+        return table[row, start:end].to(torch.int64)
+
+    # -- the scheduler's entry point -----------------------------------------------------------
+
+    def forward_batch_generation(self, batch, on_publish=None, pp_proxy_tensors=None):
+        self._forget_finished(batch)
+        if batch.forward_mode.is_extend():
+            result = self._prefill(batch, pp_proxy_tensors)
+        elif any(self._reason(r) is not None for r in batch.reqs):
+            result = self._plain_step(batch)
+        else:
+            result = self._verify_step(batch)
+        if on_publish is not None:
+            on_publish(result.new_seq_lens)
+        return result
+
+    def _reason(self, req: Any) -> str | None:
+        return plain_reason(req) or (None if req.rid in self.states else "no compressed KV")
+
+    def _forget_finished(self, batch) -> None:
+        live = {r.rid for r in batch.reqs}
+        if not batch.forward_mode.is_decode():
+            return  # a prefill batch holds only the newly admitted requests
+        for table in (self.states, self.plain):
+            for rid in [rid for rid in table if rid not in live]:
+                del table[rid]  # left the decode batch: finished, aborted or retracted
+
+    def note_request_finished(self, *, rid: str, natural_stop: bool) -> None:
+        self.states.pop(rid, None)
+        self.plain.pop(rid, None)
+
+    def _result(self, batch, next_token_ids, accept_lens, new_seq_lens, logits_output):
+        width = self.speculative_num_draft_tokens
+        return GenerationBatchResult(
+            logits_output=logits_output,
+            next_token_ids=next_token_ids,
+            accept_lens=accept_lens,
+            new_seq_lens=new_seq_lens,
+            next_draft_input=NgramVerifyInput(
+                draft_token_num=width,
+                new_seq_lens=new_seq_lens,
+                accept_tokens=next_token_ids if next_token_ids.numel() == len(batch.reqs) * width
+                else torch.zeros(len(batch.reqs) * width, dtype=torch.int64, device=self.device),
+                accept_lens=accept_lens,
+            ),  # fmt: skip
+            speculative_num_draft_tokens=width,
+        )
+
+    # -- prefill -----------------------------------------------------------------------------
+
+    def _prefill(self, batch, pp_proxy_tensors):
+        self.attn.capture = QueryCapture(OBS_WINDOW)
+        try:
+            out = self.target_worker.forward_batch_generation(
+                batch, pp_proxy_tensors=pp_proxy_tensors
+            )
+        finally:
+            capture, self.attn.capture = self.attn.capture, None
+        seq_lens = batch.seq_lens_cpu.tolist()
+        rows = batch.req_pool_indices.tolist()
+        for i, req in enumerate(batch.reqs):
+            if req is batch.chunked_req:
+                continue  # prompt not complete yet: compress after its last chunk
+            reason = plain_reason(req)
+            if reason is not None:
+                self.plain[req.rid] = VeriCacheStats.plain(reason)
+                continue
+            queries = [capture.queries[i].get(layer) if capture.queries else None
+                       for layer in range(self.num_layers)]  # fmt: skip
+            self.states[req.rid] = RequestDraftState.build(
+                self.compressor, self._read_pool, self._row_slots(rows[i], 0, seq_lens[i]),
+                queries, self.num_layers,
+            )  # fmt: skip
+        bs = len(batch.reqs)
+        ones = torch.ones(bs, dtype=torch.int32, device=self.device)
+        return self._result(batch, out.next_token_ids, ones, batch.seq_lens.clone(),
+                            out.logits_output)  # fmt: skip
+
+    # -- decode steps ------------------------------------------------------------------------
+
+    def _set_decode_inputs(self, batch, input_ids, base: torch.Tensor, offset: int) -> None:
+        """One token per row at position base+offset; reads KV [0, base+offset]."""
+        table = self.model_runner.req_to_token_pool.req_to_token
+        seq = base + offset + 1
+        batch.forward_mode = ForwardMode.DECODE
+        batch.spec_info = None
+        batch.input_ids = input_ids
+        batch.out_cache_loc = table[batch.req_pool_indices, (base + offset).to(self.device)].to(
+            torch.int64
+        )
+        batch.seq_lens = seq.to(self.device)
+        batch.seq_lens_cpu = seq
+        batch.seq_lens_sum = int(seq.sum())
+
+    def _last_tokens(self, batch) -> torch.Tensor:
+        last = [r.output_ids[-1] if r.output_ids else r.origin_input_ids[-1] for r in batch.reqs]
+        return torch.tensor(last, dtype=torch.int64, device=self.device)
+
+    def _plain_step(self, batch):
+        """One token per request with SGLang's sampler, exactly as without --vericache."""
+        base = batch.seq_lens_cpu.clone()
+        self._set_decode_inputs(batch, self._last_tokens(batch), base, 0)
+        rows = batch.req_pool_indices.tolist()
+        out = self.target_worker.forward_batch_generation(batch)
+        for i, req in enumerate(batch.reqs):
+            state = self.states.get(req.rid)
+            if state is not None:
+                slots = self._row_slots(rows[i], int(base[i]), int(base[i]) + 1)
+                state.append(self._read_pool, slots, [None] * self.num_layers)
+        bs = len(batch.reqs)
+        width = self.speculative_num_draft_tokens
+        tokens = torch.zeros(bs, width, dtype=torch.int64, device=self.device)
+        tokens[:, 0] = out.next_token_ids
+        ones = torch.ones(bs, dtype=torch.int32, device=self.device)
+        return self._result(batch, tokens.flatten(), ones, (base + 1).to(self.device),
+                            out.logits_output)  # fmt: skip
+
+    def _draft(self, batch, base: torch.Tensor, rows: torch.Tensor) -> None:
+        """Fill rows[:, 1:] greedily from the compressed views (rows[:, 0] = last token)."""
+        states = [self.states[r.rid] for r in batch.reqs]
+        self.attn.draft = DraftViews(base.tolist(), [s.views() for s in states])
+        try:
+            for j in range(rows.shape[1] - 1):
+                self._set_decode_inputs(batch, rows[:, j], base, j)
+                out = self.target_worker.forward_batch_generation(batch, is_verify=True)
+                rows[:, j + 1] = out.logits_output.next_token_logits.argmax(-1)
+        finally:
+            self.attn.draft = None
+
+    def _verify_step(self, batch):
+        width = self.speculative_num_draft_tokens
+        bs = len(batch.reqs)
+        base = batch.seq_lens_cpu.clone()
+        rows = torch.empty(bs, width, dtype=torch.int64, device=self.device)
+        rows[:, 0] = self._last_tokens(batch)
+        self._draft(batch, base, rows)
+
+        table = self.model_runner.req_to_token_pool.req_to_token
+        offsets = torch.arange(width, device=self.device)
+        positions = base.to(self.device)[:, None] + offsets[None, :]
+        batch.forward_mode = ForwardMode.TARGET_VERIFY
+        batch.input_ids = rows.flatten()
+        batch.out_cache_loc = table[batch.req_pool_indices[:, None], positions].flatten().long()
+        batch.seq_lens, batch.seq_lens_cpu = base.to(self.device), base
+        batch.seq_lens_sum = int(base.sum())
+        batch.spec_info = NgramVerifyInput(
+            draft_token=rows.flatten(), positions=positions.flatten(), draft_token_num=width,
+            new_seq_lens=batch.seq_lens,
+        )  # fmt: skip
+        self.attn.capture = QueryCapture(width)
+        try:
+            out = self.target_worker.forward_batch_generation(batch, is_verify=True)
+        finally:
+            capture, self.attn.capture = self.attn.capture, None
+        predict = out.logits_output.next_token_logits.argmax(-1).view(bs, width)
+        accepted = greedy_accept(rows, predict)
+        accept_lens = accepted.accept_lens
+        pool_rows = batch.req_pool_indices.tolist()
+        for i, req in enumerate(batch.reqs):
+            n = int(accept_lens[i])
+            state = self.states[req.rid]
+            slots = self._row_slots(pool_rows[i], int(base[i]), int(base[i]) + n)
+            queries = [capture.queries[i][layer][:, :n] for layer in range(self.num_layers)]
+            state.append(self._read_pool, slots, queries)
+            state.stats.record(
+                VerifyRecord(drafted=width - 1, committed=n, bytes_fetched=0, wait_full_s=0.0)
+            )
+        new_seq_lens = (base + accept_lens.cpu()).to(self.device)
+        return self._result(batch, predict.flatten(), accept_lens, new_seq_lens,
+                            out.logits_output)  # fmt: skip
+
+    def stats_for(self, rid: str) -> VeriCacheStats | None:
+        state = self.states.get(rid)
+        return state.stats if state is not None else self.plain.get(rid)
