@@ -9,9 +9,11 @@ of the timed window it actually covered. Run: PYTHONPATH=python python kernels/b
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import statistics
 import time
+from pathlib import Path
 
 import torch
 from bench_common import (
@@ -57,6 +59,21 @@ def time_steps(step, steps: int, device: torch.device) -> list[float]:
     return [events[i].elapsed_time(events[i + 1]) for i in range(steps)]
 
 
+def _launch(args: argparse.Namespace, shape: DecodeShape) -> QuantDecodeLaunch:
+    """The fastest correct int4 bf16 config the bandwidth bench found, else the defaults."""
+    launch = QuantDecodeLaunch(DecodeBackend.TRITON, num_splits=args.splits or None)
+    if not args.config_from or not Path(args.config_from).exists():
+        return launch
+    for res in json.loads(Path(args.config_from).read_text()).get("results", []):
+        best = res.get("best")
+        if best and res["shape"]["name"] == shape.name and res["bits"] == 4 \
+                and res["dtype"] == "torch.bfloat16":
+            return QuantDecodeLaunch(DecodeBackend.TRITON, num_splits=best["splits"],
+                                     num_warps=best["warps"], num_stages=best["stages"],
+                                     fast_unpack=best["fast_unpack"])
+    return launch
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", default="gpu_out/overlap.json")
@@ -64,6 +81,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--chunk-gib", type=float, default=1.0, help="pinned buffer per copy")
     parser.add_argument("--splits", type=int, default=0, help="0: auto")
+    parser.add_argument("--config-from", default=None,
+                        help="quant_decode.json: use its best int4 bf16 config for this shape")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes (CPU ok), no timings")
     args = parser.parse_args()
     device = bench_device(args.smoke)
@@ -77,8 +96,7 @@ def main() -> None:
     ws = QuantDecodeWorkspace.allocate(max_batch=shape.batch, num_q_heads=shape.num_q_heads,
                                        head_dim=shape.head_dim, max_splits=32,
                                        max_pages=inp.batch.kv_page_indices.numel(), device=device)
-    wrapper = QuantPagedDecodeWrapper(ws, QuantDecodeLaunch(
-        DecodeBackend.TRITON, num_splits=args.splits or None))
+    wrapper = QuantPagedDecodeWrapper(ws, _launch(args, shape))
     wrapper.plan(inp.batch, inp.cache, inp.window, num_q_heads=shape.num_q_heads)
 
     def step() -> None:
@@ -120,6 +138,7 @@ def main() -> None:
     result = {
         "device": device_info(), "shape": shape, "layers_per_step": args.layers,
         "steps": args.steps, "kernel_splits": wrapper.num_splits,
+        "kernel_launch": _launch(args, shape),
         "step_ms_alone_median": alone_ms, "step_ms_with_copy_median": with_ms,
         "step_ms_alone_mean": statistics.fmean(alone),
         "step_ms_with_copy_mean": statistics.fmean(together),

@@ -25,7 +25,7 @@ from sglang_vericache.ops.reference import quant_paged_decode_reference
 
 ATOL = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
 CASES = (  # (lengths, H_q, H_kv, D, page, window, splits)
-    ([70, 5, 130], 6, 2, 32, 16, 8, 3),
+    ([70, 5, 130], 6, 2, 64, 16, 8, 3),
     ([100, 60], 9, 3, 64, 24, 3, 2),
     ([300, 257, 31], 32, 8, 128, 32, 16, 4),
 )

@@ -42,16 +42,19 @@ raise SystemExit(0 if ok else 1)"
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm,clocks.mem --format=csv 2>/dev/null || true
 
 if "$PY" -c "import pytest" 2>/dev/null; then
-  step kernel_tests 120 "$PY" -m pytest test/kernels -q -p no:cacheprovider -rs \
+  XDIST=()  # parallel workers overlap Triton compiles
+  "$PY" -c "import xdist" 2>/dev/null && XDIST=(-n 4)
+  step kernel_tests 110 "$PY" -m pytest test/kernels -q -p no:cacheprovider -rs ${XDIST[@]+"${XDIST[@]}"} \
     --junitxml="$OUT/kernel_tests.xml"
 else
   log "pytest not found: falling back to kernels/selfcheck.py"
-  step kernel_tests 120 "$PY" kernels/selfcheck.py --out "$OUT/selfcheck.json"
+  step kernel_tests 110 "$PY" kernels/selfcheck.py --out "$OUT/selfcheck.json"
 fi
 
-step quant_decode_bench 140 "$PY" kernels/bench_quant_decode.py --out "$OUT/quant_decode.json" \
-  --budget-s 15
-step overlap_bench 60 "$PY" kernels/bench_overlap.py --out "$OUT/overlap.json"
+step quant_decode_bench 150 "$PY" kernels/bench_quant_decode.py --out "$OUT/quant_decode.json" \
+  --budget-s 12
+step overlap_bench 60 "$PY" kernels/bench_overlap.py --out "$OUT/overlap.json" \
+  --config-from "$OUT/quant_decode.json"
 
 log "done in $(( $(date +%s) - START ))s; step exit codes: $(tr '\n' ' ' < "$OUT/steps.txt")"
 "$PY" kernels/summarize.py "$OUT"

@@ -64,14 +64,14 @@ def _assert_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> N
 @pytest.mark.parametrize("page,splits", [(16, 1), (16, 3), (8, 2)])
 def test_kernel_matches_reference(dtype: torch.dtype, bits: int, page: int, splits: int,
                                   device: torch.device) -> None:
-    inp = _inputs([70, 5, 130], heads_kv=2, dim=32, page=page, bits=bits, window=8,
-                  dtype=dtype, device=device)
+    inp = _inputs([70, 5, 130], heads_kv=2, dim=32 if bits == 4 else 64, page=page, bits=bits,
+                  window=8, dtype=dtype, device=device)
     out, ref, wrapper = _run(inp, heads_q=6, device=device, splits=splits)
     assert wrapper.backend is DecodeBackend.TRITON
     _assert_close(out, ref, dtype)
 
 
-@pytest.mark.parametrize("heads_q,heads_kv,dim", [(9, 3, 64), (4, 4, 16), (16, 2, 32)])
+@pytest.mark.parametrize("heads_q,heads_kv,dim", [(9, 3, 64), (4, 4, 32), (16, 2, 32)])
 def test_gqa_group_sizes(heads_q: int, heads_kv: int, dim: int, device: torch.device) -> None:
     inp = _inputs([40, 33], heads_kv=heads_kv, dim=dim, page=16, bits=4, window=4,
                   dtype=torch.float16, device=device, seed=heads_q)
@@ -81,7 +81,7 @@ def test_gqa_group_sizes(heads_q: int, heads_kv: int, dim: int, device: torch.de
 
 @pytest.mark.parametrize("page", [4, 24, 32])
 def test_any_page_size(page: int, device: torch.device) -> None:
-    inp = _inputs([100, 60], heads_kv=1, dim=32, page=page, bits=2, window=3,
+    inp = _inputs([100, 60], heads_kv=1, dim=64, page=page, bits=2, window=3,
                   dtype=torch.float32, device=device, seed=page)
     out, ref, _ = _run(inp, heads_q=2, device=device, splits=2)
     _assert_close(out, ref, torch.float32)
@@ -103,7 +103,7 @@ def test_partial_last_page_and_window_only_requests(device: torch.device) -> Non
 
 
 def test_more_splits_than_pages_leaves_empty_splits(device: torch.device) -> None:
-    inp = _inputs([20, 140], heads_kv=1, dim=16, page=16, bits=4, window=2,
+    inp = _inputs([20, 140], heads_kv=1, dim=32, page=16, bits=4, window=2,
                   dtype=torch.float32, device=device)
     out, ref, wrapper = _run(inp, heads_q=1, device=device, splits=8)
     assert wrapper.num_splits == 8
@@ -142,12 +142,22 @@ def test_torch_backend_is_the_reference(device: torch.device) -> None:
 
 
 def test_auto_backend_is_triton_on_cuda_and_torch_on_cpu(device: torch.device) -> None:
-    inp = _inputs([40], heads_kv=1, dim=16, page=8, bits=4, window=4, dtype=torch.float32,
+    inp = _inputs([40], heads_kv=1, dim=32, page=8, bits=4, window=4, dtype=torch.float32,
                   device=device)
     out, ref, wrapper = _run(inp, heads_q=2, device=device, splits=None, backend=None)
     expected = DecodeBackend.TRITON if device.type == "cuda" else DecodeBackend.TORCH
     assert wrapper.backend is expected
     _assert_close(out, ref, torch.float32)
+
+
+def test_narrow_planes_fall_back_to_torch_or_are_refused(device: torch.device) -> None:
+    inp = _inputs([40], heads_kv=1, dim=32, page=8, bits=2, window=4, dtype=torch.float32,
+                  device=device)  # 32 * 2 / 8 = 8 channels per plane: too narrow for tl.dot
+    out, ref, wrapper = _run(inp, heads_q=2, device=device, splits=None, backend=None)
+    assert wrapper.backend is DecodeBackend.TORCH
+    assert torch.equal(out, ref)
+    with pytest.raises(ValueError):
+        _run(inp, heads_q=2, device=device, splits=None, backend=DecodeBackend.TRITON)
 
 
 def test_errors(device: torch.device) -> None:
@@ -186,3 +196,21 @@ def test_gpu_sized_batch(bits: int, heads_q: int, heads_kv: int, dim: int, page:
                                  backend=None)
         assert wrapper.backend is DecodeBackend.TRITON
         _assert_close(out, ref, torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bits", [4, 2])
+@pytest.mark.parametrize("fast_unpack", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gpu_unpack_paths_agree(bits: int, fast_unpack: bool, dtype: torch.dtype,
+                                device: torch.device) -> None:
+    inp = _inputs([1000, 333, 64], heads_kv=2, dim=64, page=32, bits=bits, window=16,
+                  dtype=dtype, device=device)
+    ws = QuantDecodeWorkspace.allocate(max_batch=3, num_q_heads=8, head_dim=64, max_splits=8,
+                                       max_pages=inp.cache.num_pages, device=device)
+    wrapper = QuantPagedDecodeWrapper(ws, QuantDecodeLaunch(
+        DecodeBackend.TRITON, num_splits=3, num_warps=1, fast_unpack=fast_unpack))
+    wrapper.plan(inp.batch, inp.cache, inp.window, num_q_heads=8)
+    q = torch.randn(3, 8, 64, device=device).to(dtype)
+    out = wrapper.run(q, inp.cache, inp.window)
+    _assert_close(out, quant_paged_decode_reference(q, inp.cache, inp.window, inp.batch), dtype)

@@ -45,6 +45,7 @@ class QuantDecodeLaunch:
     num_warps: int = 4
     num_stages: int = 2
     block_window: int = 16
+    fast_unpack: bool = True  # GPU, 16-bit KV: inline-PTX unpacking (see _code_planes)
 
     def __post_init__(self) -> None:
         if self.num_splits is not None and self.num_splits < 1:
@@ -123,6 +124,11 @@ def triton_runs_on(device: torch.device) -> bool:
     return (device.type == "cpu") == interpreted and device.type in ("cpu", "cuda")
 
 
+def triton_supports(head_dim: int, bits: int) -> bool:
+    """Each bit plane (head_dim * bits / 8 channels) is a tl.dot operand: at least 16 wide."""
+    return head_dim * bits // 8 >= MIN_DOT_ROWS
+
+
 class _TorchDecode:
     """Reference path: dequantize, then float32 attention (CPU, or no Triton)."""
 
@@ -168,23 +174,29 @@ class _TritonDecode:
             BITS=geo.bits, BLOCK_W=self._launch.block_window,
             DOT_DTYPE=dot_dtype, MAGIC=magic, OFFSET=offset,
             UPCAST=self._interpreted, IEEE=geo.dtype == torch.float32,
+            UNPACK_ASM=self._kernels.unpack_asm(geo.bits, magic) if self._fast(geo) else "",
             num_warps=self._launch.num_warps, num_stages=self._launch.num_stages,
         )
         self._kernels.merge_splits_kernel[(batch, heads_q)](
             part_o, part_lse, out, heads_q, splits, out.stride(0), out.stride(1),
-            HEAD_DIM=dim, BLOCK_S=max(2, _next_pow2(splits)), num_warps=1 if self._interpreted else 4,
+            HEAD_DIM=dim, BLOCK_S=max(2, _next_pow2(splits)),
+            num_warps=1 if self._interpreted else 4,
         )
+
+
+    def _fast(self, geo: _Geometry) -> bool:
+        return self._launch.fast_unpack and not self._interpreted and geo.dtype != torch.float32
 
 
 def _next_pow2(n: int) -> int:
     return 1 << max(int(n) - 1, 0).bit_length()
 
 
-def _auto_splits(device: torch.device, programs: int, max_pages: int) -> int:
-    """Splits so that (request, kv head, split) programs cover the SMs a few times over."""
+def _auto_splits(device: torch.device, programs: int, max_pages: int, num_warps: int) -> int:
+    """Splits so that (request, kv head, split) programs put about 32 warps on every SM."""
     if device.type != "cuda":
         return 1
-    target = 4 * torch.cuda.get_device_properties(device).multi_processor_count
+    target = 32 * torch.cuda.get_device_properties(device).multi_processor_count // num_warps
     return max(1, min(math.ceil(target / max(programs, 1)), max(max_pages, 1)))
 
 
@@ -237,7 +249,8 @@ class QuantPagedDecodeWrapper:
         indptr = batch.kv_indptr.cpu()
         nnz = int(indptr[-1])
         max_pages = int((indptr[1:] - indptr[:-1]).max()) if size else 0
-        splits = self._launch.num_splits or _auto_splits(device, size * geo.num_kv_heads, max_pages)
+        splits = self._launch.num_splits or _auto_splits(device, size * geo.num_kv_heads, max_pages,
+                                                         self._launch.num_warps)
         capacity = self._ws.partial_lse.numel() // max(size * num_q_heads, 1)
         splits = max(1, min(splits, capacity, max(max_pages, 1)))
         if size * num_q_heads * splits * geo.head_dim > self._ws.partial_out.numel() or capacity < 1:
@@ -246,7 +259,7 @@ class QuantPagedDecodeWrapper:
             raise ValueError("workspace metadata buffer too small for this batch")
         self._plan = _Plan(self._stage_metadata(batch, size, nnz), geo, num_q_heads, splits,
                            sm_scale if sm_scale is not None else 1.0 / math.sqrt(geo.head_dim))
-        self._backend = self._select_backend(device)
+        self._backend = self._select_backend(device, geo)
 
     def run(self, q: torch.Tensor, cache: QuantPagedKVCache, window: RecentWindowKV,
             out: torch.Tensor | None = None) -> torch.Tensor:
@@ -265,14 +278,18 @@ class QuantPagedDecodeWrapper:
         self._backend(plan, self._ws, q, cache, window, out)
         return out
 
-    def _select_backend(self, device: torch.device) -> _TorchDecode | _TritonDecode:
+    def _select_backend(self, device: torch.device, geo: _Geometry) -> _TorchDecode | _TritonDecode:
         choice = self._launch.backend
         if choice is None:  # the interpreter is for tests only: auto never picks it on CPU
-            use_triton = device.type == "cuda" and triton_runs_on(device)
+            use_triton = (device.type == "cuda" and triton_runs_on(device)
+                          and triton_supports(geo.head_dim, geo.bits))
             choice = DecodeBackend.TRITON if use_triton else DecodeBackend.TORCH
         if choice is DecodeBackend.TRITON:
             if not triton_runs_on(device):
                 raise RuntimeError(f"Triton kernels cannot run on {device} in this process")
+            if not triton_supports(geo.head_dim, geo.bits):
+                raise ValueError(f"the Triton kernel needs head_dim * bits / 8 >= {MIN_DOT_ROWS} "
+                                 f"(got head_dim={geo.head_dim}, bits={geo.bits})")
             return _TritonDecode(self._launch)
         return _TorchDecode()
 

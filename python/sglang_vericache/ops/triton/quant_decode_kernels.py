@@ -40,16 +40,16 @@ def _code_plane(packed, PLANE: tl.constexpr, BITS: tl.constexpr, CODE_MASK: tl.c
 
 
 @triton.jit
-def _dequant_plane(packed, PLANE: tl.constexpr, scale_ptr, zero_ptr, BITS: tl.constexpr,
-                   CODE_MASK: tl.constexpr, DOT_DTYPE: tl.constexpr, MAGIC: tl.constexpr,
-                   OFFSET: tl.constexpr, UPCAST: tl.constexpr):
-    """Keys of one plane: fma(code, scale, zero) per channel, rounded once to DOT_DTYPE.
-    scale_ptr/zero_ptr: the page's [D] channel scales/zeros (the plane reads stride PL).
-    UPCAST (interpreter, which cannot build 16-bit float constants): the same math in fp32."""
-    w = tl.arange(0, packed.shape[1])
+def _dequant_keys(codes, PLANE: tl.constexpr, scale_ptr, zero_ptr, BITS: tl.constexpr,
+                  DOT_DTYPE: tl.constexpr, MAGIC: tl.constexpr, OFFSET: tl.constexpr,
+                  UPCAST: tl.constexpr):
+    """Keys of one plane from its codes (OFFSET + code, DOT_DTYPE): fma(code, scale, zero) per
+    channel, rounded once to DOT_DTYPE. scale_ptr/zero_ptr: the page's [D] channel scales/zeros
+    (the plane reads every PL-th). UPCAST (interpreter, which cannot build 16-bit float
+    constants): the same math in fp32."""
+    w = tl.arange(0, codes.shape[1])
     scale = tl.load(scale_ptr + w * (8 // BITS) + PLANE)
     zero = tl.load(zero_ptr + w * (8 // BITS) + PLANE)
-    codes = _code_plane(packed, PLANE, BITS, CODE_MASK, DOT_DTYPE, MAGIC)
     if UPCAST:
         keys = tl.fma(codes.to(tl.float32) - OFFSET, scale.to(tl.float32)[None, :],
                       zero.to(tl.float32)[None, :]).to(DOT_DTYPE)
@@ -58,6 +58,38 @@ def _dequant_plane(packed, PLANE: tl.constexpr, scale_ptr, zero_ptr, BITS: tl.co
             codes = codes - OFFSET  # exact: small integers
         keys = tl.fma(codes, scale.to(DOT_DTYPE)[None, :], zero.to(DOT_DTYPE)[None, :])
     return keys
+
+
+@triton.jit
+def _code_planes(packed, BITS: tl.constexpr, DOT_DTYPE: tl.constexpr, MAGIC: tl.constexpr,
+                 UNPACK_ASM: tl.constexpr):
+    """All bit planes of [R, W] uint8 packed codes as DOT_DTYPE values OFFSET + code (exact).
+
+    UNPACK_ASM (GPU, 16-bit dot dtypes): PTX that turns 4 packed bytes into bf16/f16 pairs with
+    byte permutes and 3-input logic ops, about one instruction per code; "" for the portable
+    path (the interpreter, fp32). For int4 planes 2 and 3 repeat 0 and 1 and are unused.
+    """
+    if UNPACK_ASM != "":
+        if BITS == 4:
+            p0, p1 = tl.inline_asm_elementwise(
+                asm=UNPACK_ASM, constraints="=r,=r,=r,=r,r", args=[packed],
+                dtype=(DOT_DTYPE.value, DOT_DTYPE.value), is_pure=True, pack=4)
+            p2 = p0
+            p3 = p1
+        else:
+            p0, p1, p2, p3 = tl.inline_asm_elementwise(
+                asm=UNPACK_ASM, constraints="=r,=r,=r,=r,=r,=r,=r,=r,r", args=[packed],
+                dtype=(DOT_DTYPE.value,) * 4, is_pure=True, pack=4)
+    else:
+        wide = packed.to(tl.int16)
+        p0 = _code_plane(wide, 0, BITS, (1 << BITS) - 1, DOT_DTYPE, MAGIC)
+        p1 = _code_plane(wide, 1, BITS, (1 << BITS) - 1, DOT_DTYPE, MAGIC)
+        p2 = p0
+        p3 = p1
+        if BITS == 2:
+            p2 = _code_plane(wide, 2, BITS, (1 << BITS) - 1, DOT_DTYPE, MAGIC)
+            p3 = _code_plane(wide, 3, BITS, (1 << BITS) - 1, DOT_DTYPE, MAGIC)
+    return p0, p1, p2, p3
 
 
 @triton.jit
@@ -83,7 +115,7 @@ def quant_decode_split_kernel(
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_P: tl.constexpr, BITS: tl.constexpr, BLOCK_W: tl.constexpr,
     DOT_DTYPE: tl.constexpr, MAGIC: tl.constexpr, OFFSET: tl.constexpr,
-    UPCAST: tl.constexpr, IEEE: tl.constexpr,
+    UPCAST: tl.constexpr, IEEE: tl.constexpr, UNPACK_ASM: tl.constexpr,
 ):
     """q: [B, H_q, D]; pools as in ops/layout.py; part_o: [B, H_q, S, D] fp32;
     part_lse: [B, H_q, S] fp32 (log2 domain, -inf for an empty split)."""
@@ -92,7 +124,6 @@ def quant_decode_split_kernel(
     pid_s = tl.program_id(2)
     PL: tl.constexpr = 8 // BITS  # codes per byte = bit planes
     WIDTH: tl.constexpr = HEAD_DIM // PL  # bytes per token row = channels per plane
-    CODE_MASK: tl.constexpr = (1 << BITS) - 1
 
     g = tl.arange(0, BLOCK_G)
     w = tl.arange(0, WIDTH)
@@ -133,18 +164,19 @@ def quant_decode_split_kernel(
         tok_ok = row < n_valid
         tile = head_page * (PAGE * WIDTH) + row[:, None] * WIDTH + w[None, :]
 
-        k_bytes = tl.load(k_packed_ptr + tile, mask=row_in_page[:, None], other=0).to(tl.int16)
+        k_bytes = tl.load(k_packed_ptr + tile, mask=row_in_page[:, None], other=0)
         chan = k_scale_ptr + head_page * HEAD_DIM
         zero = k_zero_ptr + head_page * HEAD_DIM
-        s = _mma(q0, tl.trans(_dequant_plane(k_bytes, 0, chan, zero, BITS, CODE_MASK, DOT_DTYPE,
-                                             MAGIC, OFFSET, UPCAST)), UPCAST, IEEE)
-        s += _mma(q1, tl.trans(_dequant_plane(k_bytes, 1, chan, zero, BITS, CODE_MASK, DOT_DTYPE,
-                                              MAGIC, OFFSET, UPCAST)), UPCAST, IEEE)
+        c0, c1, c2, c3 = _code_planes(k_bytes, BITS, DOT_DTYPE, MAGIC, UNPACK_ASM)
+        s = _mma(q0, tl.trans(_dequant_keys(c0, 0, chan, zero, BITS, DOT_DTYPE, MAGIC, OFFSET,
+                                            UPCAST)), UPCAST, IEEE)
+        s += _mma(q1, tl.trans(_dequant_keys(c1, 1, chan, zero, BITS, DOT_DTYPE, MAGIC, OFFSET,
+                                             UPCAST)), UPCAST, IEEE)
         if PL == 4:
-            s += _mma(q2, tl.trans(_dequant_plane(k_bytes, 2, chan, zero, BITS, CODE_MASK,
-                                                  DOT_DTYPE, MAGIC, OFFSET, UPCAST)), UPCAST, IEEE)
-            s += _mma(q3, tl.trans(_dequant_plane(k_bytes, 3, chan, zero, BITS, CODE_MASK,
-                                                  DOT_DTYPE, MAGIC, OFFSET, UPCAST)), UPCAST, IEEE)
+            s += _mma(q2, tl.trans(_dequant_keys(c2, 2, chan, zero, BITS, DOT_DTYPE, MAGIC,
+                                                 OFFSET, UPCAST)), UPCAST, IEEE)
+            s += _mma(q3, tl.trans(_dequant_keys(c3, 3, chan, zero, BITS, DOT_DTYPE, MAGIC,
+                                                 OFFSET, UPCAST)), UPCAST, IEEE)
         s = tl.where(tok_ok[None, :], s * qk_scale, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -152,21 +184,18 @@ def quant_decode_split_kernel(
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
 
-        v_bytes = tl.load(v_packed_ptr + tile, mask=row_in_page[:, None], other=0).to(tl.int16)
+        v_bytes = tl.load(v_packed_ptr + tile, mask=row_in_page[:, None], other=0)
         v_scale = tl.load(v_scale_ptr + head_page * PAGE + row, mask=tok_ok, other=0.0)
         v_zero = tl.load(v_zero_ptr + head_page * PAGE + row, mask=tok_ok, other=0.0)
         p_scaled = (p * v_scale.to(tl.float32)[None, :]).to(DOT_DTYPE)
         zero_acc = zero_acc * alpha + tl.sum(p * v_zero.to(tl.float32)[None, :]
                                              - OFFSET * p_scaled.to(tl.float32), 1)
-        acc0 = acc0 * alpha[:, None] + _mma(p_scaled, _code_plane(v_bytes, 0, BITS, CODE_MASK,
-                                                                  DOT_DTYPE, MAGIC), UPCAST, IEEE)
-        acc1 = acc1 * alpha[:, None] + _mma(p_scaled, _code_plane(v_bytes, 1, BITS, CODE_MASK,
-                                                                  DOT_DTYPE, MAGIC), UPCAST, IEEE)
+        c0, c1, c2, c3 = _code_planes(v_bytes, BITS, DOT_DTYPE, MAGIC, UNPACK_ASM)
+        acc0 = acc0 * alpha[:, None] + _mma(p_scaled, c0, UPCAST, IEEE)
+        acc1 = acc1 * alpha[:, None] + _mma(p_scaled, c1, UPCAST, IEEE)
         if PL == 4:
-            acc2 = acc2 * alpha[:, None] + _mma(p_scaled, _code_plane(
-                v_bytes, 2, BITS, CODE_MASK, DOT_DTYPE, MAGIC), UPCAST, IEEE)
-            acc3 = acc3 * alpha[:, None] + _mma(p_scaled, _code_plane(
-                v_bytes, 3, BITS, CODE_MASK, DOT_DTYPE, MAGIC), UPCAST, IEEE)
+            acc2 = acc2 * alpha[:, None] + _mma(p_scaled, c2, UPCAST, IEEE)
+            acc3 = acc3 * alpha[:, None] + _mma(p_scaled, c3, UPCAST, IEEE)
         m_i = m_new
 
     # The recent full-precision window belongs to the last split; it is read plane by plane
@@ -242,6 +271,25 @@ def merge_splits_kernel(part_o_ptr, part_lse_ptr, out_ptr, num_q_heads, num_spli
     merged = tl.sum(parts * weight[:, None], 0) / tl.sum(weight, 0)
     tl.store(out_ptr + pid_b.to(tl.int64) * stride_ob + pid_h * stride_oh + d,
              merged.to(out_ptr.dtype.element_ty))
+
+
+def unpack_asm(bits: int, magic: int) -> str:
+    """PTX for _code_planes: 4 packed bytes in, (8 // bits) planes of 16-bit floats out (two
+    b32 registers per plane, lanes in byte order). prmt spreads bytes 0,1 and 2,3 into the low
+    8 bits of 16-bit lanes; a plane is then (lanes >> shift) & mask | magic, one lop3 per pair
+    (bits shifted in from the upper lane fall outside the lane's mask)."""
+    planes = 8 // bits
+    masks, magics = ((1 << bits) - 1) * 0x10001, magic * 0x10001
+    src = f"${2 * planes}"
+    lines = [".reg .b32 t0, t1, u0, u1;",
+             f"prmt.b32 t0, {src}, 0, 0x4140;", f"prmt.b32 t1, {src}, 0, 0x4342;"]
+    for plane in range(planes):
+        a, b = ("t0", "t1") if plane == 0 else ("u0", "u1")
+        if plane:
+            lines += [f"shr.b32 u0, t0, {plane * bits};", f"shr.b32 u1, t1, {plane * bits};"]
+        lines += [f"lop3.b32 ${2 * plane}, {a}, {masks}, {magics}, 0xea;",
+                  f"lop3.b32 ${2 * plane + 1}, {b}, {masks}, {magics}, 0xea;"]
+    return "{\n" + "\n".join(lines) + "\n}"
 
 
 def kernels_are_interpreted() -> bool:
