@@ -108,13 +108,13 @@ def _json(rng: random.Random, tok: Tokenizer, target: int) -> str:
         messages.append({"role": "assistant", "tool_calls": [
             {"id": call_id, "type": "function",
              "function": {"name": "lookup_doc", "arguments": json.dumps({"module": module, "name": name})}}]})
-        messages.append({"role": "tool", "tool_call_id": call_id, "content": doc[:1500]})
+        messages.append({"role": "tool", "tool_call_id": call_id, "content": doc[:min(1500, target // 2)]})
         count += len(tok.encode(json.dumps(messages[-2:], indent=2)))
         if count >= target:
             break
     text = json.dumps(messages, indent=2)
-    # Cut inside the next call, where the model must continue the JSON structure.
-    return text[: text.rfind('{\n    "role": "assistant"')] + '{\n    "role": "assistant",\n    "tool_calls": [\n'
+    # End by opening the next call: the model must continue the JSON structure.
+    return text[: text.rfind("\n]")] + ',\n  {\n    "role": "assistant",\n    "tool_calls": [\n'
 
 
 def _prose(rng: random.Random, tok: Tokenizer, target: int) -> str:
@@ -147,9 +147,11 @@ _BUILDERS: dict[str, Callable[[random.Random, Tokenizer, int], str]] = {
 def _trim(text: str, tok: Tokenizer, max_tokens: int, kind: str) -> str:
     """Drops leading lines/paragraphs (keeps the ending, where the continuation starts)."""
     sep = "\n\n" if kind in ("prose",) else "\n"
-    while len(tok.encode(text)) > max_tokens:
-        cut = text.find(sep, len(text) // 20)
-        text = text[cut + len(sep):] if cut > 0 else text[len(text) // 10:]
+    while (count := len(tok.encode(text))) > max_tokens:
+        # Drop about the excess (by its share of characters), up to the next separator.
+        drop = max(1, int(len(text) * (count - max_tokens) / count))
+        cut = text.find(sep, drop)
+        text = text[cut + len(sep):] if 0 < cut < len(text) // 2 + drop else text[drop:]
     return text
 
 

@@ -83,24 +83,37 @@ class CompressedLayerCache:
         positions = positions.to(torch.int64)
         if int(positions[0]) < self.num_tokens or bool((positions.diff() <= 0).any()):
             raise ValueError("append: positions must increase and follow the covered tokens")
+        if queries is not None and (queries.dim() != 3 or queries.shape[1] != positions.numel()):
+            raise ValueError("append: queries must be [H_q, n, D]")
+        # Feed up to each fold boundary, then fold: the observation a fold sees (and so the state)
+        # is the same however the caller chunks its appends.
+        done = 0
+        while done < positions.numel():
+            take = min(positions.numel() - done, self.fold_every - self._positions.numel())
+            sl = slice(done, done + take)
+            self._push(keys[:, sl], values[:, sl], positions[sl], None if queries is None else queries[:, sl])
+            done += take
+            if self._positions.numel() >= self.fold_every:
+                self._fold()
+
+    def _push(self, keys: Tensor, values: Tensor, positions: Tensor, queries: Tensor | None) -> None:
         if queries is not None:
-            if queries.dim() != 3 or queries.shape[1] != positions.numel():
-                raise ValueError("append: queries must be [H_q, n, D]")
             qs = queries if self._queries is None else torch.cat([self._queries, queries], dim=1)
             qp = positions if self._query_positions is None else torch.cat([self._query_positions, positions])
             self._queries, self._query_positions = qs[:, -self.obs_window :], qp[-self.obs_window :]
         self._keys = torch.cat([self._keys, keys.to(self._keys.dtype)], dim=1)
         self._values = torch.cat([self._values, values.to(self._values.dtype)], dim=1)
         self._positions = torch.cat([self._positions, positions])
-        while self._positions.numel() >= self.fold_every:
-            f = self.fold_every
-            self._compressed = self.compressor.extend(
-                self.layer_id, self._compressed, self._keys[:, :f], self._values[:, :f],
-                self._positions[:f], self.observation(),
-            )
-            self._keys, self._values = self._keys[:, f:], self._values[:, f:]
-            self._positions = self._positions[f:]
-            self.version += 1
+
+    def _fold(self) -> None:
+        f = self.fold_every
+        self._compressed = self.compressor.extend(
+            self.layer_id, self._compressed, self._keys[:, :f], self._values[:, :f],
+            self._positions[:f], self.observation(),
+        )
+        self._keys, self._values = self._keys[:, f:], self._values[:, f:]
+        self._positions = self._positions[f:]
+        self.version += 1
 
     def view(self) -> tuple[Tensor, Tensor, Tensor]:
         """(keys, values [H_kv, T_view, D] in the KV dtype, positions [H_kv, T_view] int64)."""

@@ -38,6 +38,8 @@ def pack_bits(codes: Tensor, bits: int) -> Tensor:
 def unpack_bits(packed: Tensor, bits: int) -> Tensor:
     """Inverse of pack_bits. packed: [..., P] uint8 -> [..., P * 8 // bits] uint8 codes."""
     per_byte = _check_bits(bits)
-    mask = (1 << bits) - 1
-    slots = [(packed >> (slot * bits)) & mask for slot in range(per_byte)]
-    return torch.stack(slots, dim=-1).reshape(*packed.shape[:-1], packed.shape[-1] * per_byte)
+    if per_byte == 1:
+        return packed
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
+    codes = (packed.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
+    return codes.reshape(*packed.shape[:-1], packed.shape[-1] * per_byte)
