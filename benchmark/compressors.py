@@ -255,7 +255,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--min-tokens", type=int, default=1000)
     ap.add_argument("--max-tokens", type=int, default=3000)
     ap.add_argument(
-        "--horizon", type=int, default=64, help="committed tokens per verify chain; lossy cap"
+        "--horizon", type=int, default=48, help="committed tokens per verify chain; lossy cap"
     )
     ap.add_argument("--ratios", default="2,4,8")
     ap.add_argument("--draft-lengths", default="8,16,32")
