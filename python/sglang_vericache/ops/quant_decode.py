@@ -174,7 +174,7 @@ class _TritonDecode:
             BITS=geo.bits, BLOCK_W=self._launch.block_window,
             DOT_DTYPE=dot_dtype, MAGIC=magic, OFFSET=offset,
             UPCAST=self._interpreted, IEEE=geo.dtype == torch.float32,
-            UNPACK_ASM=self._kernels.unpack_asm(geo.bits, magic) if self._fast(geo) else "",
+            **self._unpack_asm(geo, magic),
             num_warps=self._launch.num_warps, num_stages=self._launch.num_stages,
         )
         self._kernels.merge_splits_kernel[(batch, heads_q)](
@@ -184,8 +184,10 @@ class _TritonDecode:
         )
 
 
-    def _fast(self, geo: _Geometry) -> bool:
-        return self._launch.fast_unpack and not self._interpreted and geo.dtype != torch.float32
+    def _unpack_asm(self, geo: _Geometry, magic: int) -> dict[str, str]:
+        fast = self._launch.fast_unpack and not self._interpreted and geo.dtype != torch.float32
+        return {f"ASM_P{plane}": self._kernels.unpack_asm(geo.bits, magic, plane)
+                if fast and plane < 8 // geo.bits else "" for plane in range(4)}
 
 
 def _next_pow2(n: int) -> int:

@@ -62,24 +62,23 @@ def _dequant_keys(codes, PLANE: tl.constexpr, scale_ptr, zero_ptr, BITS: tl.cons
 
 @triton.jit
 def _code_planes(packed, BITS: tl.constexpr, DOT_DTYPE: tl.constexpr, MAGIC: tl.constexpr,
-                 UNPACK_ASM: tl.constexpr):
+                 ASM_P0: tl.constexpr, ASM_P1: tl.constexpr, ASM_P2: tl.constexpr,
+                 ASM_P3: tl.constexpr):
     """All bit planes of [R, W] uint8 packed codes as DOT_DTYPE values OFFSET + code (exact).
 
-    UNPACK_ASM (GPU, 16-bit dot dtypes): PTX that turns 4 packed bytes into bf16/f16 pairs with
-    byte permutes and 3-input logic ops, about one instruction per code; "" for the portable
-    path (the interpreter, fp32). For int4 planes 2 and 3 repeat 0 and 1 and are unused.
+    ASM_Pj (GPU, 16-bit dot dtypes): PTX turning 4 packed bytes into plane j's four 16-bit
+    floats (see unpack_asm); "" selects the portable path (the interpreter, fp32). One asm per
+    plane lets each plane be unpacked directly in its dot-operand layout. For int4, planes 2
+    and 3 repeat 0 and 1 and are unused.
     """
-    if UNPACK_ASM != "":
-        if BITS == 4:
-            p0, p1 = tl.inline_asm_elementwise(
-                asm=UNPACK_ASM, constraints="=r,=r,=r,=r,r", args=[packed],
-                dtype=(DOT_DTYPE.value, DOT_DTYPE.value), is_pure=True, pack=4)
-            p2 = p0
-            p3 = p1
-        else:
-            p0, p1, p2, p3 = tl.inline_asm_elementwise(
-                asm=UNPACK_ASM, constraints="=r,=r,=r,=r,=r,=r,=r,=r,r", args=[packed],
-                dtype=(DOT_DTYPE.value,) * 4, is_pure=True, pack=4)
+    if ASM_P0 != "":
+        p0 = _asm_plane(packed, ASM_P0, DOT_DTYPE)
+        p1 = _asm_plane(packed, ASM_P1, DOT_DTYPE)
+        p2 = p0
+        p3 = p1
+        if BITS == 2:
+            p2 = _asm_plane(packed, ASM_P2, DOT_DTYPE)
+            p3 = _asm_plane(packed, ASM_P3, DOT_DTYPE)
     else:
         wide = packed.to(tl.int16)
         p0 = _code_plane(wide, 0, BITS, (1 << BITS) - 1, DOT_DTYPE, MAGIC)
@@ -90,6 +89,13 @@ def _code_planes(packed, BITS: tl.constexpr, DOT_DTYPE: tl.constexpr, MAGIC: tl.
             p2 = _code_plane(wide, 2, BITS, (1 << BITS) - 1, DOT_DTYPE, MAGIC)
             p3 = _code_plane(wide, 3, BITS, (1 << BITS) - 1, DOT_DTYPE, MAGIC)
     return p0, p1, p2, p3
+
+
+@triton.jit
+def _asm_plane(packed, ASM: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """[R, W] uint8 -> [R, W] DOT_DTYPE through one plane's PTX (4 bytes in, 2 b32 out)."""
+    return tl.inline_asm_elementwise(asm=ASM, constraints="=r,=r,r", args=[packed],
+                                     dtype=DOT_DTYPE.value, is_pure=True, pack=4)
 
 
 @triton.jit
@@ -115,7 +121,8 @@ def quant_decode_split_kernel(
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_P: tl.constexpr, BITS: tl.constexpr, BLOCK_W: tl.constexpr,
     DOT_DTYPE: tl.constexpr, MAGIC: tl.constexpr, OFFSET: tl.constexpr,
-    UPCAST: tl.constexpr, IEEE: tl.constexpr, UNPACK_ASM: tl.constexpr,
+    UPCAST: tl.constexpr, IEEE: tl.constexpr,
+    ASM_P0: tl.constexpr, ASM_P1: tl.constexpr, ASM_P2: tl.constexpr, ASM_P3: tl.constexpr,
 ):
     """q: [B, H_q, D]; pools as in ops/layout.py; part_o: [B, H_q, S, D] fp32;
     part_lse: [B, H_q, S] fp32 (log2 domain, -inf for an empty split)."""
@@ -167,7 +174,8 @@ def quant_decode_split_kernel(
         k_bytes = tl.load(k_packed_ptr + tile, mask=row_in_page[:, None], other=0)
         chan = k_scale_ptr + head_page * HEAD_DIM
         zero = k_zero_ptr + head_page * HEAD_DIM
-        c0, c1, c2, c3 = _code_planes(k_bytes, BITS, DOT_DTYPE, MAGIC, UNPACK_ASM)
+        c0, c1, c2, c3 = _code_planes(k_bytes, BITS, DOT_DTYPE, MAGIC, ASM_P0, ASM_P1, ASM_P2,
+                                      ASM_P3)
         s = _mma(q0, tl.trans(_dequant_keys(c0, 0, chan, zero, BITS, DOT_DTYPE, MAGIC, OFFSET,
                                             UPCAST)), UPCAST, IEEE)
         s += _mma(q1, tl.trans(_dequant_keys(c1, 1, chan, zero, BITS, DOT_DTYPE, MAGIC, OFFSET,
@@ -190,7 +198,8 @@ def quant_decode_split_kernel(
         p_scaled = (p * v_scale.to(tl.float32)[None, :]).to(DOT_DTYPE)
         zero_acc = zero_acc * alpha + tl.sum(p * v_zero.to(tl.float32)[None, :]
                                              - OFFSET * p_scaled.to(tl.float32), 1)
-        c0, c1, c2, c3 = _code_planes(v_bytes, BITS, DOT_DTYPE, MAGIC, UNPACK_ASM)
+        c0, c1, c2, c3 = _code_planes(v_bytes, BITS, DOT_DTYPE, MAGIC, ASM_P0, ASM_P1, ASM_P2,
+                                      ASM_P3)
         acc0 = acc0 * alpha[:, None] + _mma(p_scaled, c0, UPCAST, IEEE)
         acc1 = acc1 * alpha[:, None] + _mma(p_scaled, c1, UPCAST, IEEE)
         if PL == 4:
@@ -273,22 +282,17 @@ def merge_splits_kernel(part_o_ptr, part_lse_ptr, out_ptr, num_q_heads, num_spli
              merged.to(out_ptr.dtype.element_ty))
 
 
-def unpack_asm(bits: int, magic: int) -> str:
-    """PTX for _code_planes: 4 packed bytes in, (8 // bits) planes of 16-bit floats out (two
-    b32 registers per plane, lanes in byte order). prmt spreads bytes 0,1 and 2,3 into the low
-    8 bits of 16-bit lanes; a plane is then (lanes >> shift) & mask | magic, one lop3 per pair
-    (bits shifted in from the upper lane fall outside the lane's mask)."""
-    planes = 8 // bits
+def unpack_asm(bits: int, magic: int, plane: int) -> str:
+    """PTX for one plane in _code_planes: 4 packed bytes in ($2), the plane's four 16-bit floats
+    out ($0 = codes of bytes 0,1; $1 = bytes 2,3; low lane first). prmt spreads two bytes into
+    the low 8 bits of two 16-bit lanes; then (lanes >> plane * bits) & mask | magic is one shift
+    and one lop3 per pair (bits shifted down from the upper lane fall outside the lane's mask)."""
     masks, magics = ((1 << bits) - 1) * 0x10001, magic * 0x10001
-    src = f"${2 * planes}"
-    lines = [".reg .b32 t0, t1, u0, u1;",
-             f"prmt.b32 t0, {src}, 0, 0x4140;", f"prmt.b32 t1, {src}, 0, 0x4342;"]
-    for plane in range(planes):
-        a, b = ("t0", "t1") if plane == 0 else ("u0", "u1")
-        if plane:
-            lines += [f"shr.b32 u0, t0, {plane * bits};", f"shr.b32 u1, t1, {plane * bits};"]
-        lines += [f"lop3.b32 ${2 * plane}, {a}, {masks}, {magics}, 0xea;",
-                  f"lop3.b32 ${2 * plane + 1}, {b}, {masks}, {magics}, 0xea;"]
+    lines = [".reg .b32 t0, t1;", "prmt.b32 t0, $2, 0, 0x4140;", "prmt.b32 t1, $2, 0, 0x4342;"]
+    if plane:
+        lines += [f"shr.b32 t0, t0, {plane * bits};", f"shr.b32 t1, t1, {plane * bits};"]
+    lines += [f"lop3.b32 $0, t0, {masks}, {magics}, 0xea;",
+              f"lop3.b32 $1, t1, {masks}, {magics}, 0xea;"]
     return "{\n" + "\n".join(lines) + "\n}"
 
 
