@@ -40,16 +40,11 @@ def _code_plane(packed, PLANE: tl.constexpr, BITS: tl.constexpr, CODE_MASK: tl.c
 
 
 @triton.jit
-def _dequant_keys(codes, PLANE: tl.constexpr, scale_ptr, zero_ptr, BITS: tl.constexpr,
-                  DOT_DTYPE: tl.constexpr, MAGIC: tl.constexpr, OFFSET: tl.constexpr,
-                  UPCAST: tl.constexpr):
-    """Keys of one plane from its codes (OFFSET + code, DOT_DTYPE): fma(code, scale, zero) per
-    channel, rounded once to DOT_DTYPE. scale_ptr/zero_ptr: the page's [D] channel scales/zeros
-    (the plane reads every PL-th). UPCAST (interpreter, which cannot build 16-bit float
-    constants): the same math in fp32."""
-    w = tl.arange(0, codes.shape[1])
-    scale = tl.load(scale_ptr + w * (8 // BITS) + PLANE)
-    zero = tl.load(zero_ptr + w * (8 // BITS) + PLANE)
+def _dequant_keys(codes, scale, zero, DOT_DTYPE: tl.constexpr, MAGIC: tl.constexpr,
+                  OFFSET: tl.constexpr, UPCAST: tl.constexpr):
+    """Keys of one plane from its codes [R, W] (OFFSET + code, DOT_DTYPE) and the plane's
+    channel scale/zero [W]: fma(code, scale, zero), rounded once to DOT_DTYPE. UPCAST (the
+    interpreter, which cannot build 16-bit float constants): the same math in fp32."""
     if UPCAST:
         keys = tl.fma(codes.to(tl.float32) - OFFSET, scale.to(tl.float32)[None, :],
                       zero.to(tl.float32)[None, :]).to(DOT_DTYPE)
@@ -58,6 +53,21 @@ def _dequant_keys(codes, PLANE: tl.constexpr, scale_ptr, zero_ptr, BITS: tl.cons
             codes = codes - OFFSET  # exact: small integers
         keys = tl.fma(codes, scale.to(DOT_DTYPE)[None, :], zero.to(DOT_DTYPE)[None, :])
     return keys
+
+
+@triton.jit
+def _channel_planes(x, PL: tl.constexpr):
+    """[D] per-channel values -> PL plane vectors [D / PL] (plane j: channels w * PL + j),
+    from one contiguous load; for PL == 2 planes 2, 3 repeat 0, 1 and are unused."""
+    if PL == 2:
+        p0, p1 = tl.split(tl.reshape(x, [x.shape[0] // 2, 2]))
+        p2 = p0
+        p3 = p1
+    else:
+        even, odd = tl.split(tl.reshape(x, [x.shape[0] // 4, 2, 2]))
+        p0, p2 = tl.split(even)
+        p1, p3 = tl.split(odd)
+    return p0, p1, p2, p3
 
 
 @triton.jit
@@ -133,6 +143,7 @@ def quant_decode_split_kernel(
     WIDTH: tl.constexpr = HEAD_DIM // PL  # bytes per token row = channels per plane
 
     g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, HEAD_DIM)
     w = tl.arange(0, WIDTH)
     row = tl.arange(0, BLOCK_P)
     g_ok = g < GROUP
@@ -172,19 +183,19 @@ def quant_decode_split_kernel(
         tile = head_page * (PAGE * WIDTH) + row[:, None] * WIDTH + w[None, :]
 
         k_bytes = tl.load(k_packed_ptr + tile, mask=row_in_page[:, None], other=0)
-        chan = k_scale_ptr + head_page * HEAD_DIM
-        zero = k_zero_ptr + head_page * HEAD_DIM
+        s0, s1, s2, s3 = _channel_planes(tl.load(k_scale_ptr + head_page * HEAD_DIM + d), PL)
+        z0, z1, z2, z3 = _channel_planes(tl.load(k_zero_ptr + head_page * HEAD_DIM + d), PL)
         c0, c1, c2, c3 = _code_planes(k_bytes, BITS, DOT_DTYPE, MAGIC, ASM_P0, ASM_P1, ASM_P2,
                                       ASM_P3)
-        s = _mma(q0, tl.trans(_dequant_keys(c0, 0, chan, zero, BITS, DOT_DTYPE, MAGIC, OFFSET,
-                                            UPCAST)), UPCAST, IEEE)
-        s += _mma(q1, tl.trans(_dequant_keys(c1, 1, chan, zero, BITS, DOT_DTYPE, MAGIC, OFFSET,
-                                             UPCAST)), UPCAST, IEEE)
+        s = _mma(q0, tl.trans(_dequant_keys(c0, s0, z0, DOT_DTYPE, MAGIC, OFFSET, UPCAST)),
+                 UPCAST, IEEE)
+        s += _mma(q1, tl.trans(_dequant_keys(c1, s1, z1, DOT_DTYPE, MAGIC, OFFSET, UPCAST)),
+                  UPCAST, IEEE)
         if PL == 4:
-            s += _mma(q2, tl.trans(_dequant_keys(c2, 2, chan, zero, BITS, DOT_DTYPE, MAGIC,
-                                                 OFFSET, UPCAST)), UPCAST, IEEE)
-            s += _mma(q3, tl.trans(_dequant_keys(c3, 3, chan, zero, BITS, DOT_DTYPE, MAGIC,
-                                                 OFFSET, UPCAST)), UPCAST, IEEE)
+            s += _mma(q2, tl.trans(_dequant_keys(c2, s2, z2, DOT_DTYPE, MAGIC, OFFSET, UPCAST)),
+                      UPCAST, IEEE)
+            s += _mma(q3, tl.trans(_dequant_keys(c3, s3, z3, DOT_DTYPE, MAGIC, OFFSET, UPCAST)),
+                      UPCAST, IEEE)
         s = tl.where(tok_ok[None, :], s * qk_scale, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(s, 1))
