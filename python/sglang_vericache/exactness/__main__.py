@@ -16,6 +16,7 @@ import argparse
 import json
 import logging
 import shlex
+import signal
 import sys
 import tempfile
 import time
@@ -99,8 +100,13 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     return opts, server_args
 
 
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)  # unwinds the server context managers: no orphaned servers
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="[exactness] %(message)s", stream=sys.stderr)
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     opts, server_args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         prompts = load_prompts(opts.prompts)

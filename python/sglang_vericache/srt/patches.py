@@ -1,11 +1,16 @@
-"""The one patch VeriCache applies to SGLang (0.5.23), and why it cannot be avoided.
+"""The patches VeriCache applies to SGLang (0.5.23), and why they cannot be avoided.
 
-``sglang.srt.mem_cache.allocation.assign_req_to_token_pool_func`` writes freshly allocated KV
+1. ``sglang.srt.mem_cache.allocation.assign_req_to_token_pool_func`` writes freshly allocated KV
 slots into request rows. Speculative decoding (every ``--speculative-algorithm``, so VERICACHE
 too) reaches it through ``alloc_for_spec_decode``, and on an out-of-tree platform it launches a
 Triton kernel, which needs a GPU; SGLang's own CPU branch is taken only for its sgl_kernel CPU
 engine, and no platform hook chooses the implementation. The AROUND hook below keeps the
 original for device tensors and writes the rows with torch when they live on the CPU.
+
+2. ``TokenizerManager._accumulate_request_meta_info`` turns each per-step value a worker reports
+through ``LogitsProcessorOutput.customized_info`` into a growing list in ``meta_info``.
+VeriCache reports cumulative per-request counters, so for its key the latest value replaces
+the list: ``meta_info["vericache"]`` is one dict (drafted, accepted, verify steps, ...).
 """
 
 from __future__ import annotations
@@ -15,6 +20,10 @@ from typing import Any, Callable
 import torch
 
 TARGET = "sglang.srt.mem_cache.allocation.assign_req_to_token_pool_func"
+META_TARGET = (
+    "sglang.srt.managers.tokenizer_manager.TokenizerManager._accumulate_request_meta_info"
+)
+META_INFO_KEY = "vericache"
 
 
 def assign_rows_torch(
@@ -46,7 +55,17 @@ def _assign_around(original: Callable[..., Any], req_pool_indices, req_to_token,
     return None
 
 
+def _meta_info_around(original: Callable[..., Any], meta_info: dict, state: Any, key: str,
+                      values: list) -> None:  # fmt: skip
+    if key != META_INFO_KEY:
+        return original(meta_info, state, key, values)
+    if values:
+        meta_info[key] = values[-1]  # cumulative counters: the newest supersedes the rest
+    return None
+
+
 def register_patches() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     HookRegistry.register(TARGET, _assign_around, HookType.AROUND)
+    HookRegistry.register(META_TARGET, _meta_info_around, HookType.AROUND)

@@ -30,6 +30,7 @@ from sglang.srt.speculative.ngram_info import NgramVerifyInput
 from sglang_vericache.compress import build_compressor
 from sglang_vericache.srt.attention import DraftViews, QueryCapture, VeriCacheAttnBackend
 from sglang_vericache.srt.draft_state import RequestDraftState
+from sglang_vericache.srt.patches import META_INFO_KEY
 from sglang_vericache.srt.plugin import vericache_config
 from sglang_vericache.verify import VeriCacheStats, VerifyRecord, greedy_accept
 
@@ -128,6 +129,11 @@ class VeriCacheWorker(BaseSpecWorker):
 
     def _result(self, batch, next_token_ids, accept_lens, new_seq_lens, logits_output):
         width = self.speculative_num_draft_tokens
+        if logits_output is not None:
+            # SGLang's per-request side channel into meta_info (see patches.META_INFO_KEY).
+            logits_output.customized_info = {
+                META_INFO_KEY: [self.stats_for(r.rid).to_meta_info() for r in batch.reqs]
+            }
         return GenerationBatchResult(
             logits_output=logits_output,
             next_token_ids=next_token_ids,
@@ -195,6 +201,10 @@ class VeriCacheWorker(BaseSpecWorker):
 
     def _plain_step(self, batch):
         """One token per request with SGLang's sampler, exactly as without --vericache."""
+        for req in batch.reqs:
+            reason = plain_reason(req)
+            if reason is not None and req.rid not in self.plain:
+                self.plain[req.rid] = VeriCacheStats.plain(reason)
         base = batch.seq_lens_cpu.clone()
         self._set_decode_inputs(batch, self._last_tokens(batch), base, 0)
         rows = batch.req_pool_indices.tolist()
@@ -266,6 +276,9 @@ class VeriCacheWorker(BaseSpecWorker):
         return self._result(batch, predict.flatten(), accept_lens, new_seq_lens,
                             out.logits_output)  # fmt: skip
 
-    def stats_for(self, rid: str) -> VeriCacheStats | None:
+    def stats_for(self, rid: str) -> VeriCacheStats:
+        """The request's counters (plain-decoded requests carry their reason)."""
         state = self.states.get(rid)
-        return state.stats if state is not None else self.plain.get(rid)
+        if state is not None:
+            return state.stats
+        return self.plain.setdefault(rid, VeriCacheStats.plain("prompt still in prefill"))

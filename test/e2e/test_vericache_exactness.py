@@ -1,0 +1,135 @@
+"""VeriCache servers against plain SGLang, token by token (fp32, CPU, greedy).
+
+The reference is the session's plain server (same args minus --vericache*); each candidate is a
+real --vericache server. A reduced prompt set keeps CI inside its budget; the full 24-prompt x
+256-token set runs from benchmark/ (see benchmark/README.md).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import urllib.request
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from sglang_vericache.exactness.client import Prompt, generate_all
+from sglang_vericache.exactness.compare import Generation, compare, summarize
+from sglang_vericache.exactness.server import SGLangServer, http_json
+
+pytestmark = [pytest.mark.sglang, pytest.mark.model]
+
+REPO = Path(__file__).resolve().parents[2]
+MAX_NEW_TOKENS = 32
+BASE_ARGS = ["--max-total-tokens", "16384"]
+
+
+@pytest.fixture(scope="module")
+def prompts(default_model_path: Path) -> list[Prompt]:
+    sys.path.insert(0, str(REPO))
+    from transformers import AutoTokenizer
+
+    from benchmark.prompts import build_prompt_set
+
+    tok = AutoTokenizer.from_pretrained(default_model_path)
+    built = build_prompt_set(tok, n=4, min_tokens=300, max_tokens=600, seed=7)
+    return [Prompt(id=p["id"], text=p["text"]) for p in built]
+
+
+@pytest.fixture(scope="module")
+def reference(plain_server, prompts: list[Prompt]) -> list[Generation]:
+    return generate_all(
+        plain_server.url, prompts, max_new_tokens=MAX_NEW_TOKENS, concurrency=2, with_top2=True
+    )
+
+
+def vericache_server(compressor: str, tmp_path: Path, draft_len: int = 4) -> SGLangServer:
+    args = BASE_ARGS + ["--vericache", "--vericache-compressor", compressor,
+                        "--vericache-draft-len", str(draft_len)]  # fmt: skip
+    return SGLangServer(args, log_path=tmp_path / "vericache.log")
+
+
+def assert_identical(prompts, reference, candidate, **context) -> None:
+    results = [compare(p.id, r, c) for p, r, c in zip(prompts, reference, candidate)]
+    summary = summarize(results, **context)
+    assert summary["status"] == "identical", json.dumps(summary, indent=2)
+
+
+def assert_drafted(url: str, prompt: Prompt) -> None:
+    """The candidate really verified drafts (a silent plain fallback would also be exact)."""
+    out = http_json(url + "/generate", {
+        "text": prompt.text, "sampling_params": {"temperature": 0, "max_new_tokens": 8},
+    })  # fmt: skip
+    assert out["meta_info"].get("spec_verify_ct", 0) >= 1, out["meta_info"]
+
+
+@pytest.mark.parametrize(
+    "compressor, concurrency",
+    [
+        ("streaming:sink=4,window=60", 1),  # aggressive dropping: many rejections and rollbacks
+        ("snapkv:ratio=0.5+kivi:bits=2", 4),  # composition, low-bit: exercises partial accepts
+    ],
+)
+def test_vericache_is_token_identical(
+    compressor: str, concurrency: int, prompts, reference, tmp_path: Path
+) -> None:
+    with vericache_server(compressor, tmp_path) as server:
+        candidate = generate_all(
+            server.url, prompts, max_new_tokens=MAX_NEW_TOKENS, concurrency=concurrency
+        )
+        assert_drafted(server.url, prompts[0])
+    assert_identical(prompts, reference, candidate, compressor=compressor, concurrency=concurrency)
+
+
+@pytest.fixture(scope="module")
+def kivi_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SGLangServer]:
+    with vericache_server("kivi:bits=4", tmp_path_factory.mktemp("kivi")) as server:
+        yield server
+
+
+def test_default_compressor_is_identical_and_accepts_long_drafts(
+    kivi_server, prompts, reference
+) -> None:
+    candidate = generate_all(kivi_server.url, prompts, max_new_tokens=MAX_NEW_TOKENS, concurrency=2)
+    assert_identical(prompts, reference, candidate, compressor="kivi:bits=4")
+    out = http_json(kivi_server.url + "/generate", {
+        "text": prompts[0].text, "sampling_params": {"temperature": 0, "max_new_tokens": 16},
+    })  # fmt: skip
+    # int4 drafts of a 135M model survive most verifies (measured ~0.95 per token).
+    assert out["meta_info"]["spec_accept_length"] > 2.0, out["meta_info"]
+    stats = out["meta_info"]["vericache"]
+    assert stats["mode"] == "vericache" and stats["verify_steps"] >= 1
+    assert stats["committed"] == stats["accepted"] + stats["verify_steps"]
+    assert stats["mean_accept_len"] > 2.0
+
+
+def _stream_chat(url: str, content: str) -> str:
+    body = {"model": "default", "messages": [{"role": "user", "content": content}],
+            "temperature": 0, "max_tokens": 40, "stream": True}  # fmt: skip
+    req = urllib.request.Request(url + "/v1/chat/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})  # fmt: skip
+    text = []
+    with urllib.request.urlopen(req, timeout=600) as resp:
+        for raw in resp:
+            line = raw.decode().strip()
+            if line.startswith("data:") and line != "data: [DONE]":
+                delta = json.loads(line[5:])["choices"][0]["delta"]
+                text.append(delta.get("content") or "")
+    return "".join(text)
+
+
+def test_streamed_chat_matches_plain(kivi_server, plain_server) -> None:
+    question = "List three uses of a hash map, one line each."
+    assert _stream_chat(kivi_server.url, question) == _stream_chat(plain_server.url, question)
+
+
+def test_sampled_request_is_served_without_drafting(kivi_server) -> None:
+    out = http_json(kivi_server.url + "/generate", {
+        "text": "Once upon a time", "sampling_params": {"temperature": 0.8, "max_new_tokens": 12},
+    })  # fmt: skip
+    assert out["meta_info"]["completion_tokens"] == 12
+    stats = out["meta_info"]["vericache"]  # plain decoding, never a lossy token
+    assert stats["mode"] == "plain" and "temperature" in stats["plain_reason"]
+    assert stats["drafted"] == 0 and stats["verify_steps"] == 0
