@@ -269,6 +269,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--threads", type=int, default=1, help="1: two OpenMP threads stall on a shared 2-core box")
     ap.add_argument("--out-dir", default=str(Path(__file__).resolve().parent / "results"))
     ap.add_argument("--quick", action="store_true", help="smoke run: 2 short prompts, few configs")
+    ap.add_argument("--shard", default=None, help="K/N: run prompts K, K+N, ... only (parallel runs); "
+                    "raw rows go to .cache/compressors-shards/, combine with --merge N")
+    ap.add_argument("--merge", type=int, default=None, help="combine N finished shards into the outputs")
     args = ap.parse_args(argv)
     if args.quick:
         args.prompts, args.min_tokens, args.max_tokens, args.horizon = 2, 300, 500, 16
@@ -296,8 +299,14 @@ def main(argv: list[str] | None = None) -> dict:
         for cfg in configs
     }
     started = time.time()
+    if args.merge is not None:
+        return _merge(args, model_name, geo, prompts, tok, rows, families, ratios, xs)
+    todo = prompts
+    if args.shard is not None:
+        k, n = (int(v) for v in args.shard.split("/"))
+        todo = prompts[k::n]
     lossy_len = args.horizon + max(xs) + 2
-    bar = tqdm(prompts, desc="compressors", unit="prompt")
+    bar = tqdm(todo, desc="compressors", unit="prompt")
     cpu_started = time.process_time()
     doc: dict = {}
     for done, prompt in enumerate(bar):
@@ -344,9 +353,45 @@ def main(argv: list[str] | None = None) -> dict:
             else:
                 row["accepted"][c.x].append(c.accepted)
         # Written after every prompt, so an interrupted run still leaves consistent results.
+        if args.shard is not None:
+            _save_shard(args, rows, done + 1, started, cpu_started)
+            continue
         meta = _meta(args, model_name, geo, prompts, tok, done + 1, started, cpu_started)
         doc = write_outputs(Path(args.out_dir), meta, rows, families, ratios, xs, DROPPERS, QUANTIZERS, args)
     return doc
+
+
+SHARD_DIR = Path(__file__).resolve().parent.parent / ".cache" / "compressors-shards"
+
+
+def _save_shard(args, rows: dict, done: int, started: float, cpu_started: float) -> None:
+    k, n = args.shard.split("/")
+    SHARD_DIR.mkdir(parents=True, exist_ok=True)
+    raw = {f"{f}|{r}": {**row, "accepted": {str(x): a for x, a in row["accepted"].items()}}
+           for (f, r), row in rows.items()}
+    doc = {"rows": raw, "done": done, "seconds": time.time() - started,
+           "cpu_seconds": time.process_time() - cpu_started}
+    tmp = SHARD_DIR / f"shard-{k}-of-{n}.json.tmp"
+    tmp.write_text(json.dumps(doc))
+    tmp.replace(SHARD_DIR / f"shard-{k}-of-{n}.json")
+
+
+def _merge(args, model_name, geo, prompts, tok, rows, families, ratios, xs) -> dict:
+    """Combines the raw rows of N shard runs (same settings) into the outputs."""
+    n = args.merge
+    done, seconds, cpu = 0, 0.0, 0.0
+    for k in range(n):
+        shard = json.loads((SHARD_DIR / f"shard-{k}-of-{n}.json").read_text())
+        done, seconds, cpu = done + shard["done"], max(seconds, shard["seconds"]), cpu + shard["cpu_seconds"]
+        for (f, r), row in rows.items():
+            got = shard["rows"][f"{f}|{r}"]
+            for key in ("specs", "ratio", "bytes_per_token", "matched"):
+                row[key].extend(got[key])
+            for x in xs:
+                row["accepted"][x].extend(got["accepted"][str(x)])
+    meta = _meta(args, model_name, geo, prompts, tok, done, time.time(), time.process_time())
+    meta.update(seconds=round(seconds, 1), cpu_seconds=round(cpu, 1), shards=n)
+    return write_outputs(Path(args.out_dir), meta, rows, families, ratios, xs, DROPPERS, QUANTIZERS, args)
 
 
 def _meta(args, model_name: str, geo, prompts: list[dict], tok, done: int, started: float,
