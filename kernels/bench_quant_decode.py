@@ -49,9 +49,9 @@ SPLITS = (None, 4, 8, 16, 32)
 KERNEL_VARIANTS = ((1, 2, True), (2, 2, True), (4, 2, True), (1, 3, True), (2, 1, True),
                    (4, 1, True), (8, 2, True), (1, 2, False), (4, 2, False))
 SMOKE_SHAPES = (  # CPU interpreter: exercises the script, measures nothing
-    DecodeShape("smoke_gqa4", batch=2, context=200, num_q_heads=8, num_kv_heads=2, head_dim=32,
+    DecodeShape("smoke_gqa4", batch=2, context=200, num_q_heads=8, num_kv_heads=2, head_dim=64,
                 page_size=16, recent_window=8),
-    DecodeShape("smoke_gqa3", batch=2, context=120, num_q_heads=3, num_kv_heads=1, head_dim=16,
+    DecodeShape("smoke_gqa3", batch=2, context=120, num_q_heads=3, num_kv_heads=1, head_dim=64,
                 page_size=16, recent_window=8),
 )
 

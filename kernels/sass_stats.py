@@ -81,7 +81,8 @@ def page_loop(sass: str) -> list[str]:
     for i, line in enumerate(lines):
         m = re.search(r"BRA `\((\.L_x_\d+)\)", line)
         if m and labels.get(m.group(1), i) < i:
-            return [x for x in lines[labels[m.group(1)]: i + 1] if re.search(r"/\*[0-9a-f]{4}\*/", x)]
+            body = lines[labels[m.group(1)]: i + 1]
+            return [x for x in body if re.search(r"/\*[0-9a-f]{4}\*/", x)]
     return []
 
 

@@ -40,7 +40,8 @@ def run_case(lengths: list[int], heads_q: int, heads_kv: int, dim: int, page: in
                                   num_pages=sum(n // page for n in lengths) + 2, generator=gen)
     ws = QuantDecodeWorkspace.allocate(max_batch=len(lengths), num_q_heads=heads_q, head_dim=dim,
                                        max_splits=8, max_pages=inp.cache.num_pages, device=device)
-    wrapper = QuantPagedDecodeWrapper(ws, QuantDecodeLaunch(DecodeBackend.TRITON, num_splits=splits))
+    launch = QuantDecodeLaunch(DecodeBackend.TRITON, num_splits=splits)
+    wrapper = QuantPagedDecodeWrapper(ws, launch)
     wrapper.plan(inp.batch, inp.cache, inp.window, num_q_heads=heads_q)
     q = torch.randn(len(lengths), heads_q, dim, generator=gen).to(dtype).to(device)
     out = wrapper.run(q, inp.cache, inp.window)

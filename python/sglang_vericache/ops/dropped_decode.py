@@ -51,7 +51,8 @@ class DroppedKVDecoder(abc.ABC):
 
     @abc.abstractmethod
     def run(self, q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor) -> torch.Tensor:
-        """q: [B, H_q, D]; k_pages, v_pages: [num_pages, P, H_kv, D]. Returns [B, H_q, D] q.dtype."""
+        """q: [B, H_q, D]; k_pages, v_pages: [num_pages, P, H_kv, D].
+        Returns [B, H_q, D] in q.dtype."""
 
 
 class TorchDroppedKVDecoder(DroppedKVDecoder):

@@ -83,8 +83,9 @@ class QuantPagedKVCache:
         dim = self.head_dim
         if self.k_packed.shape[3] * per_byte != dim:
             raise ValueError("packed width disagrees with head_dim")
-        for name, shape in (("k_scale", (num_pages, heads, dim)), ("k_zero", (num_pages, heads, dim)),
-                            ("v_scale", (num_pages, heads, page)), ("v_zero", (num_pages, heads, page))):
+        expected = {"k_scale": (num_pages, heads, dim), "k_zero": (num_pages, heads, dim),
+                    "v_scale": (num_pages, heads, page), "v_zero": (num_pages, heads, page)}
+        for name, shape in expected.items():
             tensor = getattr(self, name)
             if tuple(tensor.shape) != shape:
                 raise ValueError(f"{name} must be {list(shape)}, got {list(tensor.shape)}")
@@ -165,7 +166,8 @@ class QuantPagedBatch:
     window_len: torch.Tensor
 
     def __post_init__(self) -> None:
-        for name in ("kv_indptr", "kv_page_indices", "kv_last_page_len", "window_slot", "window_len"):
+        for name in ("kv_indptr", "kv_page_indices", "kv_last_page_len", "window_slot",
+                     "window_len"):
             tensor = getattr(self, name)
             if tensor.dtype != torch.int32 or tensor.dim() != 1:
                 raise ValueError(f"{name} must be a 1-D int32 tensor")
@@ -178,7 +180,8 @@ class QuantPagedBatch:
     def batch_size(self) -> int:
         return int(self.kv_indptr.shape[0]) - 1
 
-    def validate(self, page_size: int, num_pages: int, window_capacity: int, num_slots: int) -> None:
+    def validate(self, page_size: int, num_pages: int, window_capacity: int,
+                 num_slots: int) -> None:
         """Check the metadata against a pool (reads tensors to the host: call once per plan)."""
         indptr = self.kv_indptr.cpu()
         last = self.kv_last_page_len.cpu()
@@ -207,6 +210,6 @@ class QuantPagedBatch:
         """[B] int64 on the host: quantized plus window tokens per request."""
         indptr = self.kv_indptr.cpu().long()
         counts = indptr[1:] - indptr[:-1]
-        quant = torch.where(counts > 0, (counts - 1) * page_size + self.kv_last_page_len.cpu().long(),
-                            torch.zeros_like(counts))
+        last = self.kv_last_page_len.cpu().long()
+        quant = torch.where(counts > 0, (counts - 1) * page_size + last, torch.zeros_like(counts))
         return quant + self.window_len.cpu().long()

@@ -222,7 +222,9 @@ class QuantPagedDecodeWrapper:
         """The backend chosen by the last plan() (None before plan)."""
         if self._backend is None:
             return None
-        return DecodeBackend.TRITON if isinstance(self._backend, _TritonDecode) else DecodeBackend.TORCH
+        if isinstance(self._backend, _TritonDecode):
+            return DecodeBackend.TRITON
+        return DecodeBackend.TORCH
 
     @property
     def num_splits(self) -> int | None:
@@ -255,7 +257,8 @@ class QuantPagedDecodeWrapper:
                                                          self._launch.num_warps)
         capacity = self._ws.partial_lse.numel() // max(size * num_q_heads, 1)
         splits = max(1, min(splits, capacity, max(max_pages, 1)))
-        if size * num_q_heads * splits * geo.head_dim > self._ws.partial_out.numel() or capacity < 1:
+        rows = size * num_q_heads * splits
+        if rows * geo.head_dim > self._ws.partial_out.numel() or capacity < 1:
             raise ValueError("workspace too small for this batch")
         if 4 * size + 1 + max(nnz, 1) > self._ws.metadata.numel():
             raise ValueError("workspace metadata buffer too small for this batch")

@@ -30,7 +30,8 @@ def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     per_byte = codes_per_byte(bits)
     if codes.shape[-1] % per_byte:
         raise ValueError(f"last dim {codes.shape[-1]} not divisible by {per_byte}")
-    grouped = codes.to(torch.int32).reshape(*codes.shape[:-1], codes.shape[-1] // per_byte, per_byte)
+    lead, width = codes.shape[:-1], codes.shape[-1] // per_byte
+    grouped = codes.to(torch.int32).reshape(*lead, width, per_byte)
     shifts = torch.arange(per_byte, dtype=torch.int32, device=codes.device) * bits
     return (grouped << shifts).sum(dim=-1).to(torch.uint8)
 
@@ -93,7 +94,8 @@ def quantize_values(values: torch.Tensor, bits: int
 
 def dequantize_keys(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int,
                     group_size: int) -> torch.Tensor:
-    """packed: [H_kv, T, D*bits/8] uint8; scale/zero: [H_kv, T/G, D]. Returns [H_kv, T, D] float32."""
+    """packed: [H_kv, T, D*bits/8] uint8; scale/zero: [H_kv, T/G, D].
+    Returns [H_kv, T, D] float32."""
     codes = unpack_codes(packed, bits).float()
     scale_t = scale.float().repeat_interleave(group_size, dim=1)
     zero_t = zero.float().repeat_interleave(group_size, dim=1)
@@ -108,7 +110,7 @@ def dequantize_values(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Ten
 
 @dataclass(frozen=True, slots=True)
 class PagedQuantBatchInputs:
-    """Everything one decode over a quantized paged batch reads (built by build_quant_paged_batch)."""
+    """Everything one decode over a quantized paged batch reads (build_quant_paged_batch)."""
 
     cache: QuantPagedKVCache
     window: RecentWindowKV

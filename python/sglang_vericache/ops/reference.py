@@ -44,8 +44,8 @@ def dequantize_request_pages(cache: QuantPagedKVCache, batch: QuantPagedBatch, i
     ids = batch.kv_page_indices[start:end].long()
     k_codes = unpack_codes(cache.k_packed[ids], cache.bits).float()  # [n, H, P, D]
     v_codes = unpack_codes(cache.v_packed[ids], cache.bits).float()
-    keys = k_codes * cache.k_scale[ids].float().unsqueeze(2) + cache.k_zero[ids].float().unsqueeze(2)
-    values = v_codes * cache.v_scale[ids].float().unsqueeze(3) + cache.v_zero[ids].float().unsqueeze(3)
+    keys = k_codes * cache.k_scale[ids].float()[:, :, None] + cache.k_zero[ids].float()[:, :, None]
+    values = v_codes * cache.v_scale[ids].float()[..., None] + cache.v_zero[ids].float()[..., None]
     n_tokens = (end - start - 1) * page + int(batch.kv_last_page_len[index])
     keys = keys.transpose(0, 1).reshape(heads, -1, dim)[:, :n_tokens]
     values = values.transpose(0, 1).reshape(heads, -1, dim)[:, :n_tokens]

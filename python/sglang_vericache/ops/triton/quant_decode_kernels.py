@@ -308,7 +308,8 @@ def unpack_asm(bits: int, magic: int, plane: int) -> str:
 
 
 def kernels_are_interpreted() -> bool:
-    """True when these kernels were built by Triton's CPU interpreter (TRITON_INTERPRET=1 at import)."""
+    """True when these kernels were built by Triton's CPU interpreter (TRITON_INTERPRET=1 when
+    this module was imported)."""
     from triton.runtime.interpreter import InterpretedFunction
 
     return isinstance(quant_decode_split_kernel, InterpretedFunction)
