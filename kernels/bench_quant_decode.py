@@ -46,8 +46,8 @@ VARIANTS = (  # (shape index, bits, dtype)
 )
 SPLITS = (None, 4, 8, 16, 32)
 # (warps, stages, fast_unpack), most promising first: the sweep stops when its budget runs out.
-KERNEL_VARIANTS = ((1, 2, True), (2, 2, True), (4, 2, True), (1, 3, True), (2, 1, True),
-                   (4, 1, True), (8, 2, True), (1, 2, False), (4, 2, False))
+KERNEL_VARIANTS = ((1, 2, True), (1, 2, False), (2, 2, True), (4, 2, True), (1, 3, True),
+                   (2, 1, True), (4, 1, True), (8, 2, True), (4, 2, False))
 SMOKE_SHAPES = (  # CPU interpreter: exercises the script, measures nothing
     DecodeShape("smoke_gqa4", batch=2, context=200, num_q_heads=8, num_kv_heads=2, head_dim=64,
                 page_size=16, recent_window=8),

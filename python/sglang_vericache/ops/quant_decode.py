@@ -42,7 +42,7 @@ class QuantDecodeLaunch:
 
     backend: DecodeBackend | None = None
     num_splits: int | None = None
-    num_warps: int = 4
+    num_warps: int = 2  # static SASS counts favour 1-2 warps (kernels/README.md)
     num_stages: int = 2
     block_window: int = 16
     fast_unpack: bool = True  # GPU, 16-bit KV: inline-PTX unpacking (see _code_planes)
