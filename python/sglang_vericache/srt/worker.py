@@ -27,7 +27,7 @@ from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
 from sglang.srt.speculative.ngram_info import NgramVerifyInput
 
-from sglang_vericache.compress import build_compressor
+from sglang_vericache.compress import Full, build_compressor
 from sglang_vericache.srt.attention import DraftViews, QueryCapture, VeriCacheAttnBackend
 from sglang_vericache.srt.draft_state import RequestDraftState
 from sglang_vericache.srt.patches import META_INFO_KEY
@@ -104,16 +104,42 @@ class VeriCacheWorker(BaseSpecWorker):
         self._forget_finished(batch)
         if batch.forward_mode.is_extend():
             result = self._prefill(batch, pp_proxy_tensors)
-        elif any(self._reason(r) is not None for r in batch.reqs):
+        elif any(plain_reason(r) is not None for r in batch.reqs):
             result = self._plain_step(batch)
         else:
+            self._sync_states(batch)
             result = self._verify_step(batch)
         if on_publish is not None:
             on_publish(result.new_seq_lens)
         return result
 
-    def _reason(self, req: Any) -> str | None:
-        return plain_reason(req) or (None if req.rid in self.states else "no compressed KV")
+    def _sync_states(self, batch) -> None:
+        """Every row gets a compressed KV covering exactly its committed KV.
+
+        Normally built at prefill and kept in step by each commit; a request that arrives
+        without one (or out of step, e.g. after a retraction the worker did not see) is
+        compressed again from the full KV in its pool row, which is always exact.
+        """
+        bases = batch.seq_lens_cpu.tolist()
+        rows = batch.req_pool_indices.tolist()
+        for req, base, row in zip(batch.reqs, bases, rows):
+            state = self.states.get(req.rid)
+            if state is None or state.covered != base:
+                if state is not None:
+                    logger.warning("request %s: compressed KV out of step; rebuilding", req.rid)
+                self.states[req.rid] = self._rebuild(row, base)
+
+    def _rebuild(self, row: int, base: int) -> RequestDraftState:
+        slots, no_queries = self._row_slots(row, 0, base), [None] * self.num_layers
+        try:
+            return RequestDraftState.build(
+                self.compressor, self._read_pool, slots, no_queries, self.num_layers
+            )
+        except ValueError as exc:  # a scorer that needs the prompt's queries, gone by now
+            logger.warning("rebuilding without observations (%s): drafting from the full KV", exc)
+            return RequestDraftState.build(
+                Full(), self._read_pool, slots, no_queries, self.num_layers
+            )
 
     def _forget_finished(self, batch) -> None:
         live = {r.rid for r in batch.reqs}

@@ -1,0 +1,121 @@
+"""The worker's pure parts: compressed per-request state, plain-decoding rules, the patches."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sglang_vericache.compress import build_compressor
+
+pytestmark = pytest.mark.sglang
+
+H_KV, H_Q, D, LAYERS, T = 2, 4, 16, 3, 80
+
+
+@pytest.fixture
+def pool() -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """A KV pool laid out like SGLang's: per layer [slots, H_kv, D] keys and values."""
+    g = torch.Generator().manual_seed(0)
+    return {layer: (torch.randn(200, H_KV, D, generator=g), torch.randn(200, H_KV, D, generator=g))
+            for layer in range(LAYERS)}  # fmt: skip
+
+
+def reader(pool):
+    def read(layer: int, slots: torch.Tensor):
+        k, v = pool[layer]
+        return k[slots].transpose(0, 1), v[slots].transpose(0, 1)
+
+    return read
+
+
+@pytest.mark.parametrize("spec", ["kivi:bits=4", "streaming:sink=4,window=28",
+                                  "snapkv:ratio=0.5+kivi:bits=2"])  # fmt: skip
+def test_state_builds_grows_and_stays_in_step(pool, spec: str) -> None:
+    from sglang_vericache.srt.draft_state import RequestDraftState
+
+    slots = torch.randperm(200)[:T]
+    queries = [torch.randn(H_Q, 8, D) for _ in range(LAYERS)]
+    state = RequestDraftState.build(build_compressor(spec), reader(pool), slots, queries, LAYERS)
+    state.check_integrity()
+    assert state.covered == T
+    full_bytes = LAYERS * 2 * T * H_KV * D * 4
+    assert state.nbytes < full_bytes  # the compressed copy is really smaller
+    views = state.views()
+    assert len(views) == LAYERS and views[0][0].shape[0] == H_KV
+    assert state.views() is views  # cached until the next commit
+    for step in range(5):  # commits of 1..5 tokens, with their verify queries
+        n = step + 1
+        new = torch.arange(100 + 10 * step, 100 + 10 * step + n)
+        state.append(reader(pool), new, [torch.randn(H_Q, n, D) for _ in range(LAYERS)])
+        state.check_integrity()
+    assert state.covered == T + 15
+    assert state.views() is not views
+
+
+def test_identity_compressor_view_is_the_full_kv(pool) -> None:
+    from sglang_vericache.srt.draft_state import RequestDraftState
+
+    slots = torch.arange(T)
+    state = RequestDraftState.build(build_compressor("full"), reader(pool), slots,
+                                    [None] * LAYERS, LAYERS)  # fmt: skip
+    k, v = state.views()[1]
+    assert torch.equal(k, pool[1][0][slots].transpose(0, 1))
+    assert torch.equal(v, pool[1][1][slots].transpose(0, 1))
+
+
+def _req(**sampling):
+    from types import SimpleNamespace
+
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    sp = SamplingParams(**sampling)
+    sp.verify(vocab_size=1000)  # normalizes temperature 0 into greedy top_k=1
+    return SimpleNamespace(sampling_params=sp, return_logprob=False, grammar=None,
+                           custom_logit_processor=None)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "sampling, reason",
+    [
+        ({"temperature": 0}, None),
+        ({"temperature": 0.7}, "sampling"),
+        ({"temperature": 0, "repetition_penalty": 1.2}, "penalties"),
+        ({"temperature": 0, "min_new_tokens": 4}, "logit processing"),
+    ],
+)
+def test_only_plain_greedy_requests_are_drafted(sampling: dict, reason: str | None) -> None:
+    from sglang_vericache.srt.worker import plain_reason
+
+    got = plain_reason(_req(**sampling))
+    assert (got is None) if reason is None else (reason in got)
+
+
+def test_logprob_requests_are_decoded_plainly() -> None:
+    from sglang_vericache.srt.worker import plain_reason
+
+    req = _req(temperature=0)
+    req.return_logprob = True
+    assert "logprobs" in plain_reason(req)
+
+
+def test_torch_row_assignment_matches_the_kernel_contract() -> None:
+    from sglang_vericache.srt.patches import assign_rows_torch
+
+    table = torch.zeros(4, 10, dtype=torch.int32)
+    rows, start, end = torch.tensor([2, 0]), torch.tensor([3, 0]), torch.tensor([6, 2])
+    locs = torch.tensor([11, 12, 13, 21, 22])
+    assign_rows_torch(rows, table, start, end, locs)
+    assert table[2, 3:6].tolist() == [11, 12, 13] and table[0, 0:2].tolist() == [21, 22]
+    assert int(table.count_nonzero()) == 5
+
+
+def test_meta_info_hook_keeps_the_latest_counters_only() -> None:
+    from sglang_vericache.srt.patches import META_INFO_KEY, _meta_info_around
+
+    calls = []
+    meta: dict = {}
+    _meta_info_around(lambda *a: calls.append(a), meta, None, META_INFO_KEY,
+                      [{"committed": 3}, {"committed": 7}])  # fmt: skip
+    assert meta == {META_INFO_KEY: {"committed": 7}} and not calls
+    _meta_info_around(lambda *a: calls.append(a), meta, None, "other", [1])
+    assert len(calls) == 1  # other keys keep SGLang's behaviour
