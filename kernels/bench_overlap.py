@@ -1,30 +1,37 @@
-"""Drafting under a concurrent full-KV copy: step time alone vs with a pinned H2D copy in flight.
+"""Drafting under a concurrent full-KV copy, measured from device timestamps.
 
 A draft step is `layers` runs of the int4 quantized decode kernel (batch 32 x 8k, GQA 32/8,
-D=128). The copy is the next verification's full KV, moved by FullKVPrefetcher (side stream,
-pinned host memory, events); it is sized to outlast the timed steps, and the report says how much
-of the timed window it actually covered. Run: PYTHONPATH=python python kernels/bench_overlap.py
+D=128) on a dedicated non-default stream. The copy is the next verification's full KV, moved by
+FullKVPrefetcher (its own non-blocking side stream, pinned host memory allocated and touched
+before timing, ordered after an event instead of the drafting stream) in chunks that are kept
+`--depth` deep on the side stream and resubmitted from poll() until the last draft step has
+ended, so a copy is meant to be in flight for the whole timed window.
+
+Every copy chunk has start/end CUDA events on the side stream, every step start/end events on
+the drafting stream; all are read against one reference event (timestamps of one device are
+comparable across streams). From them: the fraction of the drafting window during which a copy
+actually ran, and the slowdown of the steps that ran entirely under a copy. A low overlap
+fraction means the copy and the kernels serialized, and the slowdown is then not a measurement.
+
+A raw check with plain torch ops (an elementwise kernel on one stream, copy_ on another, no
+prefetcher, no Triton) tells the platform's ability to overlap apart from ours.
+Run: PYTHONPATH=python python kernels/bench_overlap.py
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
-import math
+import os
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from bench_common import (
-    GIB,
-    DecodeShape,
-    bench_device,
-    device_info,
-    random_quant_inputs,
-    synchronize,
-    write_json,
-)
+from bench_common import DecodeShape, bench_device, device_info, random_quant_inputs, write_json
+from overlap_stats import analyse_overlap
 
 from sglang_vericache.ops.prefetch import FullKVPrefetcher
 from sglang_vericache.ops.quant_decode import (
@@ -38,25 +45,144 @@ SHAPE = DecodeShape("gqa4_h8_d128_b32x8k", batch=32, context=8192, num_q_heads=3
                     num_kv_heads=8, head_dim=128)
 SMOKE_SHAPE = DecodeShape("smoke", batch=2, context=100, num_q_heads=4, num_kv_heads=2,
                           head_dim=32, page_size=16, recent_window=8)
+MIN_OVERLAP = 0.8  # below this the copy did not run alongside drafting: the check FAILS
+ENV_NAMES = ("CUDA_DEVICE_MAX_CONNECTIONS", "CUDA_LAUNCH_BLOCKING", "CUDA_MODULE_LOADING",
+             "CUDA_VISIBLE_DEVICES", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_NO_CUDA_MEMORY_CACHING",
+             "TORCH_CUDA_SANITIZER", "TRITON_INTERPRET")
+MIB = 1 << 20
 
 
-def time_steps(step, steps: int, device: torch.device) -> list[float]:
-    """Per-step times in ms: CUDA events around each step on the current stream (wall clock on
-    CPU smoke runs)."""
-    if device.type != "cuda":
-        times = []
-        for _ in range(steps):
-            began = time.perf_counter()
-            step()
-            times.append((time.perf_counter() - began) * 1e3)
-        return times
-    events = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)]
-    events[0].record()
-    for i in range(steps):
+class Stamps:
+    """Timestamps in ms from one reference: CUDA events (device clock) or the host clock (CPU
+    smoke runs). Create it while the current stream is idle, before anything it will time."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self._ref = self.mark()
+
+    def mark(self, stream: torch.cuda.Stream | None = None) -> object:
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(stream)
+        return event
+
+    def ms(self, stamp: object) -> float:
+        if self.cuda:
+            return self._ref.elapsed_time(stamp)  # type: ignore[union-attr]
+        return (stamp - self._ref) * 1e3  # type: ignore[operator]
+
+    def done(self, stamp: object) -> bool:
+        return (not self.cuda) or stamp.query()  # type: ignore[union-attr]
+
+
+def time_steps(step: Callable[[], None], steps: int, device: torch.device) -> list[float]:
+    """Per-step times in ms on the current stream (events; wall clock on CPU)."""
+    stamps = Stamps(device)
+    marks = [stamps.mark()]
+    for _ in range(steps):
         step()
-        events[i + 1].record()
-    events[-1].synchronize()
-    return [events[i].elapsed_time(events[i + 1]) for i in range(steps)]
+        marks.append(stamps.mark())
+    if stamps.cuda:
+        marks[-1].synchronize()  # type: ignore[union-attr]
+    return [stamps.ms(marks[i + 1]) - stamps.ms(marks[i]) for i in range(steps)]
+
+
+def overlapped_window(step: Callable[[], None], steps: int, device: torch.device,
+                      prefetcher: FullKVPrefetcher, pair: tuple[torch.Tensor, torch.Tensor],
+                      ready: object, depth: int) -> dict[str, object]:
+    """Run `steps` draft steps on the current stream while copies of `pair` are kept `depth`
+    deep on the prefetcher's stream, topped up after every step launch and then until the last
+    step has ended on the device. Returns the overlap analysis and the host's submit costs."""
+    stamps = Stamps(device)
+    host_intervals: dict[int, tuple[float, float]] = {}  # CPU: submit() copies synchronously
+    submit_ms: list[float] = []
+    finished: list[int] = []
+
+    def top_up() -> None:
+        finished.extend(prefetcher.poll())
+        while prefetcher.num_in_flight < depth and (stamps.cuda or len(submit_ms) < depth):
+            began = time.perf_counter()
+            task = prefetcher.submit([pair], after=ready)  # type: ignore[arg-type]
+            ended = time.perf_counter()
+            submit_ms.append((ended - began) * 1e3)
+            if not stamps.cuda:
+                host_intervals[task] = (stamps.ms(began), stamps.ms(ended))
+                break
+
+    marks = []
+    top_up()  # the side stream is busy before the first step starts
+    for _ in range(steps):
+        start = stamps.mark()
+        step()
+        marks.append((start, stamps.mark()))
+        top_up()
+    while not stamps.done(marks[-1][1]):  # keep copies in flight until drafting has ended
+        top_up()
+        time.sleep(1e-4)
+    still_in_flight = prefetcher.num_in_flight
+    while prefetcher.num_in_flight:
+        finished.extend(prefetcher.poll())
+        time.sleep(1e-4)
+    finished.extend(prefetcher.poll())
+    prefetcher.check_integrity()
+    if len(set(finished)) != len(finished) or len(finished) != len(submit_ms):
+        raise AssertionError("prefetcher returned a task twice or lost one")
+    copies, nbytes = [], []
+    for task in sorted(finished):
+        timing = prefetcher.take_timing(task)
+        if timing is not None:
+            copies.append((stamps.ms(timing.start), stamps.ms(timing.end)))
+            nbytes.append(timing.nbytes)
+        else:
+            copies.append(host_intervals[task])
+            nbytes.append(pair[0].numel() * pair[0].element_size())
+    step_spans = [(stamps.ms(a), stamps.ms(b)) for a, b in marks]
+    return {"report": analyse_overlap(step_spans, copies, nbytes), "submit_ms": submit_ms,
+            "copies": len(copies), "in_flight_when_drafting_ended": still_in_flight,
+            "first_copy_start_ms": min(c[0] for c in copies) - step_spans[0][0],
+            "last_copy_end_ms": max(c[1] for c in copies) - step_spans[0][0],
+            "steps_ms": [b - a for a, b in step_spans]}
+
+
+def raw_torch_overlap(device: torch.device, host: torch.Tensor, dev: torch.Tensor,
+                      steps: int = 20) -> dict[str, object]:
+    """Platform check without our code: an elementwise torch kernel (~0.5 ms per op, 4 ops per
+    step) on one new stream and plain copy_ chunks on another, submitted alternately."""
+    work = torch.ones(256 * MIB, dtype=torch.float32, device=device)
+    compute, side = torch.cuda.Stream(device), torch.cuda.Stream(device)
+    torch.cuda.synchronize(device)
+    with torch.cuda.stream(compute):
+        stamps = Stamps(device)
+        spans, copies = [], []
+        for _ in range(steps):
+            with torch.cuda.stream(side):
+                c0 = stamps.mark(side)
+                dev.copy_(host, non_blocking=True)
+                copies.append((c0, stamps.mark(side)))
+            s0 = stamps.mark()
+            for _ in range(4):
+                work.mul_(1.0)
+            spans.append((s0, stamps.mark()))
+    torch.cuda.synchronize(device)
+    report = analyse_overlap([(stamps.ms(a), stamps.ms(b)) for a, b in spans],
+                             [(stamps.ms(a), stamps.ms(b)) for a, b in copies],
+                             [host.numel()] * len(copies))
+    return {"overlap_fraction": report.overlap_fraction, "window_ms": report.window_ms,
+            "h2d_GBps_in_window": report.h2d_GBps_in_window}
+
+
+def stream_flags(stream: torch.cuda.Stream) -> int | None:
+    """cuStreamGetFlags of a stream (1 = CU_STREAM_NON_BLOCKING); None if unreadable."""
+    try:
+        import ctypes
+
+        lib = ctypes.CDLL("libcuda.so.1")
+        flags = ctypes.c_uint(0)
+        rc = lib.cuStreamGetFlags(ctypes.c_void_p(stream.cuda_stream), ctypes.byref(flags))
+        return int(flags.value) if rc == 0 else None
+    except (OSError, AttributeError):
+        return None
 
 
 def _launch(args: argparse.Namespace, shape: DecodeShape) -> QuantDecodeLaunch:
@@ -68,9 +194,9 @@ def _launch(args: argparse.Namespace, shape: DecodeShape) -> QuantDecodeLaunch:
         best = res.get("best")
         if best and res["shape"]["name"] == shape.name and res["bits"] == 4 \
                 and res["dtype"] == "torch.bfloat16":
-            return QuantDecodeLaunch(DecodeBackend.TRITON, num_splits=best["splits"],
-                                     num_warps=best["warps"], num_stages=best["stages"],
-                                     fast_unpack=best["fast_unpack"])
+            knobs = {k: best[k] for k in ("num_warps", "num_stages", "fast_unpack",
+                                          "pages_per_iter") if k in best}
+            return QuantDecodeLaunch(DecodeBackend.TRITON, num_splits=best["splits"], **knobs)
     return launch
 
 
@@ -78,79 +204,112 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", default="gpu_out/overlap.json")
     parser.add_argument("--layers", type=int, default=8, help="kernel runs per draft step")
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--chunk-gib", type=float, default=1.0, help="pinned buffer per copy")
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--chunk-mib", type=int, default=128, help="bytes per copy task")
+    parser.add_argument("--depth", type=int, default=3, help="copy tasks kept in flight")
     parser.add_argument("--splits", type=int, default=0, help="0: auto")
     parser.add_argument("--config-from", default=None,
                         help="quant_decode.json: use its best int4 bf16 config for this shape")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes (CPU ok), no timings")
     args = parser.parse_args()
     device = bench_device(args.smoke)
+    cuda = device.type == "cuda"
     shape = SMOKE_SHAPE if args.smoke else SHAPE
+    chunk = MIB // 64 if args.smoke else args.chunk_mib * MIB
     if args.smoke:
-        args.layers, args.steps, args.chunk_gib = 1, 2, 1 / 1024
+        args.layers, args.steps = 1, 3
 
     inp = random_quant_inputs(shape, 4, torch.bfloat16, device)
     q = torch.randn(shape.batch, shape.num_q_heads, shape.head_dim, device=device).bfloat16()
     out = torch.empty_like(q)
     ws = QuantDecodeWorkspace.allocate(max_batch=shape.batch, num_q_heads=shape.num_q_heads,
-                                       head_dim=shape.head_dim, max_splits=32,
+                                       head_dim=shape.head_dim, max_splits=64,
                                        max_pages=inp.batch.kv_page_indices.numel(), device=device)
-    wrapper = QuantPagedDecodeWrapper(ws, _launch(args, shape))
+    launch = _launch(args, shape)
+    wrapper = QuantPagedDecodeWrapper(ws, launch)
     wrapper.plan(inp.batch, inp.cache, inp.window, num_q_heads=shape.num_q_heads)
 
     def step() -> None:
         for _ in range(args.layers):
             wrapper.run(q, inp.cache, inp.window, out=out)
 
-    for _ in range(1 if args.smoke else 5):
-        step()
-    synchronize(device)
-    alone = time_steps(step, args.steps, device)
-
-    chunk = int(args.chunk_gib * GIB)
+    # Pinned source and destination exist, and have been touched and copied once, before any
+    # timed window; the prefetcher's stream and events are created up front too.
     host = torch.empty(chunk, dtype=torch.uint8)
-    host = host.pin_memory() if device.type == "cuda" else host
-    host[:: 4096] = 1  # touch the pages
+    host = host.pin_memory() if cuda else host
+    host.fill_(1)
     dev = torch.empty(chunk, dtype=torch.uint8, device=device)
-    prefetcher = FullKVPrefetcher(device)
-    probe = time_steps(lambda: dev.copy_(host, non_blocking=True), 2, device)
-    h2d_gbps = chunk / (max(min(probe), 1e-6) * 1e-3) / 1e9
-    window_ms = 1.5 * statistics.fmean(alone) * args.steps
-    copies = max(1, math.ceil(window_ms * 1e-3 * h2d_gbps * 1e9 / chunk))
+    prefetcher = FullKVPrefetcher(device, record_timing=True)
+    draft = torch.cuda.Stream(device) if cuda else None
+    ctx = torch.cuda.stream(draft) if cuda else contextlib.nullcontext()
+    with ctx:
+        for _ in range(1 if args.smoke else 5):
+            step()
+        warm = prefetcher.submit([(host, dev)])
+        while warm not in prefetcher.poll():
+            time.sleep(1e-4)
+        prefetcher.take_timing(warm)
+        if cuda:
+            torch.cuda.synchronize(device)
+        alone_before = time_steps(step, args.steps, device)
+        ready = Stamps(device).mark()  # the destination has no reader: copies may start at once
+        window = overlapped_window(step, args.steps, device, prefetcher, (host, dev), ready,
+                                   args.depth)
+        alone_after = time_steps(step, args.steps, device)
+    raw = raw_torch_overlap(device, host, dev) if cuda else None
 
-    synchronize(device)
-    started = time.perf_counter()
-    tasks = [prefetcher.submit([(host, dev)]) for _ in range(copies)]
-    together = time_steps(step, args.steps, device)  # returns once the last step has finished
-    finished = prefetcher.poll()
-    outlasted = len(finished) < len(tasks)  # a copy was still in flight when drafting ended
-    while len(finished) < len(tasks):
-        finished += prefetcher.poll()
-        prefetcher.check_integrity()
-        time.sleep(1e-4)
-    copy_s = time.perf_counter() - started
-    if sorted(finished) != sorted(tasks):
-        raise AssertionError("prefetcher returned a task twice or lost one")
-
-    alone_ms, with_ms = statistics.median(alone), statistics.median(together)
-    slowdown = 100.0 * (with_ms / alone_ms - 1.0)
+    report = window["report"]
+    alone_ms = statistics.median(alone_before + alone_after)
+    slowdown = report.slowdown_pct(alone_ms)
+    submit = window["submit_ms"]
+    overlap_ok = report.overlap_fraction >= MIN_OVERLAP
     result = {
         "device": device_info(), "shape": shape, "layers_per_step": args.layers,
-        "steps": args.steps, "kernel_splits": wrapper.num_splits,
-        "kernel_launch": _launch(args, shape),
-        "step_ms_alone_median": alone_ms, "step_ms_with_copy_median": with_ms,
-        "step_ms_alone_mean": statistics.fmean(alone),
-        "step_ms_with_copy_mean": statistics.fmean(together),
-        "draft_slowdown_pct": slowdown, "h2d_probe_GBps": h2d_gbps,
-        "copy_bytes": copies * chunk, "copies": copies,
-        "copy_outlasted_steps": outlasted, "copy_wall_s": copy_s,
-        "h2d_GBps_during_overlap": copies * chunk / copy_s / 1e9,
+        "steps": args.steps, "kernel_splits": wrapper.num_splits, "kernel_launch": launch,
+        "copy_design": (f"{chunk // MIB if chunk >= MIB else chunk / MIB:g} MiB pinned H2D "
+                        f"chunks kept {args.depth} deep on the prefetcher's non-blocking side "
+                        "stream, ordered after an event (not the drafting stream), resubmitted "
+                        "from poll() until the last draft step ended on the device; drafting "
+                        "on its own non-default stream"),
+        "timing": "CUDA events: copy start/end on the side stream, step start/end on the "
+                  "drafting stream, all against one reference event" if cuda else
+                  "CPU smoke: host clock, synchronous copies; not a measurement",
+        "step_ms_alone_median": alone_ms,
+        "step_ms_alone_before_median": statistics.median(alone_before),
+        "step_ms_alone_after_median": statistics.median(alone_after),
+        "step_ms_under_copy_median": (statistics.median(report.covered_steps_ms)
+                                      if report.covered_steps_ms else None),
+        "steps_under_copy": len(report.covered_steps_ms),
+        "overlap_fraction": report.overlap_fraction, "min_overlap_fraction": MIN_OVERLAP,
+        "overlap_ok": overlap_ok,
+        "draft_slowdown_pct": slowdown,
+        "window_ms": report.window_ms, "copy_busy_ms": report.copy_busy_ms,
+        "copies": window["copies"], "copy_chunk_bytes": chunk,
+        "copy_in_flight_when_drafting_ended": window["in_flight_when_drafting_ended"],
+        "first_copy_start_ms_from_window": window["first_copy_start_ms"],
+        "last_copy_end_ms_from_window": window["last_copy_end_ms"],
+        "h2d_GBps_in_window": report.h2d_GBps_in_window,
+        "submit_host_ms_median": statistics.median(submit),
+        "submit_host_ms_max": max(submit),
+        "step_coverage": report.step_coverage, "steps_ms_in_window": window["steps_ms"],
+        "raw_torch_overlap": raw,
+        "platform": {
+            "env": {name: os.environ.get(name) for name in ENV_NAMES},
+            "host_pinned": bool(host.is_pinned()),
+            "draft_stream_flags": stream_flags(draft) if draft is not None else None,
+            "side_stream_flags": (stream_flags(prefetcher.stream)
+                                  if prefetcher.stream is not None else None),
+        },
     }
-    print(f"draft step ({args.layers} layers, int4 {shape.name}): alone {alone_ms:.3f} ms, "
-          f"with concurrent full-KV copy {with_ms:.3f} ms -> slowdown {slowdown:.1f}% "
-          f"(copy {copies * chunk / GIB:.1f} GiB at ~{h2d_gbps:.0f} GB/s, "
-          f"outlasted steps: {outlasted})", flush=True)
+    slow_s = "n/a (no step ran fully under a copy)" if slowdown is None else f"{slowdown:.1f}%"
+    print(f"draft step ({args.layers} layers, int4 {shape.name}): alone {alone_ms:.3f} ms; "
+          f"copy busy during {100 * report.overlap_fraction:.0f}% of the drafting window "
+          f"({report.window_ms:.1f} ms, {len(report.covered_steps_ms)}/{args.steps} steps fully "
+          f"under a copy, H2D {report.h2d_GBps_in_window:.1f} GB/s in the window); slowdown of "
+          f"overlapped steps {slow_s}; submit() host time max {max(submit):.2f} ms"
+          + ("" if raw is None else
+             f"; raw torch overlap {100 * raw['overlap_fraction']:.0f}%")
+          + ("" if overlap_ok else " -- NOT OVERLAPPED"), flush=True)
     write_json(args.out, result)
 
 

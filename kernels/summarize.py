@@ -11,6 +11,7 @@ from pathlib import Path
 
 INT4_TARGET_PCT = 60.0
 SLOWDOWN_LIMIT_PCT = 15.0
+MIN_OVERLAP = 0.8  # share of the drafting window a copy must cover for the slowdown to count
 KEY_SHAPE = "gqa4_h8_d128_b32x8k"
 
 
@@ -37,22 +38,34 @@ def main() -> None:
                             "us": res["best"]["us"], "ok": res["ok"]}
     overlap = _load(out / "overlap.json")
     if overlap:
-        summary["draft_slowdown_pct"] = overlap["draft_slowdown_pct"]
-        summary["copy_outlasted_steps"] = overlap["copy_outlasted_steps"]
+        for key in ("draft_slowdown_pct", "overlap_fraction", "overlap_ok", "steps_under_copy",
+                    "h2d_GBps_in_window", "submit_host_ms_max"):
+            summary[key] = overlap.get(key)
+        raw = overlap.get("raw_torch_overlap") or {}
+        summary["raw_torch_overlap_fraction"] = raw.get("overlap_fraction")
+        summary["platform"] = overlap.get("platform")
+    unset = _load(out / "overlap_env_unset.json")
+    if unset:
+        summary["overlap_fraction_env_unset"] = unset.get("overlap_fraction")
+        summary["draft_slowdown_pct_env_unset"] = unset.get("draft_slowdown_pct")
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
 
     int4 = summary.get(f"{KEY_SHAPE}_int4_bfloat16")
     pct = f"{int4['pct_of_copy_bw']:.1f}%" if isinstance(int4, dict) else "n/a"
     gbps = f"{int4['GBps']:.0f} GB/s" if isinstance(int4, dict) else "n/a"
     slow = summary.get("draft_slowdown_pct")
+    frac = summary.get("overlap_fraction")
     slow_s = f"{slow:.1f}%" if isinstance(slow, (int, float)) else "n/a"
+    frac_s = f"{100 * frac:.0f}%" if isinstance(frac, (int, float)) else "n/a"
     int4_pass = isinstance(int4, dict) and int4["pct_of_copy_bw"] >= INT4_TARGET_PCT and int4["ok"]
-    slow_pass = isinstance(slow, (int, float)) and slow < SLOWDOWN_LIMIT_PCT
+    overlapped = isinstance(frac, (int, float)) and frac >= MIN_OVERLAP
+    slow_pass = overlapped and isinstance(slow, (int, float)) and slow < SLOWDOWN_LIMIT_PCT
     tests_rc = summary["steps_rc"].get("kernel_tests", "n/a")
     print(f"SUMMARY int4 B32x8k H_kv=8 D=128: {gbps} = {pct} of copy bw "
           f"(target >= {INT4_TARGET_PCT:.0f}%: {'PASS' if int4_pass else 'FAIL'}) | "
-          f"draft slowdown under concurrent full-KV copy: {slow_s} "
-          f"(target < {SLOWDOWN_LIMIT_PCT:.0f}%: {'PASS' if slow_pass else 'FAIL'}) | "
+          f"draft slowdown under concurrent full-KV copy: {slow_s} over a window {frac_s} "
+          f"covered by copies (target < {SLOWDOWN_LIMIT_PCT:.0f}% with >= "
+          f"{100 * MIN_OVERLAP:.0f}% covered: {'PASS' if slow_pass else 'FAIL'}) | "
           f"kernel tests rc={tests_rc}")
 
 

@@ -40,6 +40,11 @@ info = {'torch': torch.__version__, 'triton': triton.__version__, 'cuda': ok,
 print(info); json.dump(info, open('$OUT/env.json', 'w'))
 raise SystemExit(0 if ok else 1)"
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm,clocks.mem --format=csv 2>/dev/null || true
+# Settings that serialise streams (one hardware queue, synchronous launches) would void the overlap
+# measurement: log them; if set, the overlap bench also runs once without them.
+log "stream-relevant env: CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS-<unset>}" \
+  "CUDA_LAUNCH_BLOCKING=${CUDA_LAUNCH_BLOCKING-<unset>}" \
+  "PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF-<unset>}"
 
 if "$PY" -c "import pytest" 2>/dev/null; then
   XDIST=()  # parallel workers overlap Triton compiles
@@ -53,8 +58,13 @@ fi
 
 step quant_decode_bench 150 "$PY" kernels/bench_quant_decode.py --out "$OUT/quant_decode.json" \
   --budget-s 12
-step overlap_bench 60 "$PY" kernels/bench_overlap.py --out "$OUT/overlap.json" \
+step overlap_bench 90 "$PY" kernels/bench_overlap.py --out "$OUT/overlap.json" \
   --config-from "$OUT/quant_decode.json"
+if [ -n "${CUDA_DEVICE_MAX_CONNECTIONS:-}${CUDA_LAUNCH_BLOCKING:-}" ]; then
+  step overlap_env_unset 90 env -u CUDA_DEVICE_MAX_CONNECTIONS -u CUDA_LAUNCH_BLOCKING \
+    "$PY" kernels/bench_overlap.py --out "$OUT/overlap_env_unset.json" \
+    --config-from "$OUT/quant_decode.json"
+fi
 
 log "done in $(( $(date +%s) - START ))s; step exit codes: $(tr '\n' ' ' < "$OUT/steps.txt")"
 "$PY" kernels/summarize.py "$OUT"

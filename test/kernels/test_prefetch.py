@@ -50,3 +50,44 @@ def test_cuda_copies_on_side_stream_without_blocking() -> None:
     assert seen == [task]
     assert pre.poll() == []
     assert torch.equal(dst.cpu(), src)
+
+
+def test_cpu_accepts_after_and_records_no_timing() -> None:
+    pre = FullKVPrefetcher("cpu", record_timing=True)
+    dst = torch.zeros(4)
+    task = pre.submit([(torch.ones(4), dst)], after=None)
+    assert pre.poll() == [task]
+    assert pre.take_timing(task) is None
+    assert pre.stream is None
+    assert torch.equal(dst, torch.ones(4))
+    pre.check_integrity()
+
+
+@pytest.mark.gpu
+def test_cuda_copy_ordered_after_event_does_not_wait_for_queued_kernels() -> None:
+    """A copy ordered after an (already complete) event must finish while a long kernel queued
+    earlier on the current stream is still running; with timing, its interval is returned once."""
+    pre = FullKVPrefetcher(torch.device("cuda"), record_timing=True)
+    src = torch.randn(4, 1024, 1024).pin_memory()  # 16 MiB
+    dst = torch.empty_like(src, device="cuda")
+    draft = torch.cuda.Stream()
+    with torch.cuda.stream(draft):
+        ready = torch.cuda.Event()
+        ready.record()
+        torch.cuda._sleep(1_000_000_000)  # ~0.5 s at ~2 GHz, queued before the copy
+        busy = torch.cuda.Event()
+        busy.record()
+        task = pre.submit([(src, dst)], after=ready)
+        seen: list[int] = []
+        deadline = time.monotonic() + 30
+        while not seen and time.monotonic() < deadline:
+            seen = pre.poll()
+        assert seen == [task]
+        assert not busy.query(), "the copy waited for the kernel queued on the drafting stream"
+        timing = pre.take_timing(task)
+        assert timing is not None and timing.nbytes == src.numel() * 4
+        assert timing.start.elapsed_time(timing.end) > 0
+        assert pre.take_timing(task) is None
+        pre.check_integrity()
+    torch.cuda.synchronize()
+    assert torch.equal(dst.cpu(), src)
