@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.sglang, pytest.mark.model]
+# Real servers on 2 shared cores: generous per-test limits (fixtures start servers too).
+pytestmark = [pytest.mark.sglang, pytest.mark.model, pytest.mark.timeout(1800)]
 
 PROMPTS = [
     {"id": "code", "prompt": "import json\n\ndef load_config(path):\n"},
