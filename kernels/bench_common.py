@@ -108,9 +108,8 @@ def random_quant_inputs(shape: DecodeShape, bits: int, dtype: torch.dtype,
     heads, dim, page = shape.num_kv_heads, shape.head_dim, shape.page_size
     width = dim // codes_per_byte(bits)
 
-    def codes() -> torch.Tensor:
-        return torch.randint(0, 256, (pages, heads, page, width), dtype=torch.uint8,
-                             device=device, generator=gen)
+    def codes(*size: int) -> torch.Tensor:
+        return torch.randint(0, 256, size, dtype=torch.uint8, device=device, generator=gen)
 
     def scale(*size: int) -> torch.Tensor:
         return (torch.rand(*size, device=device, generator=gen) * 0.1 + 0.01).to(dtype)
@@ -118,7 +117,8 @@ def random_quant_inputs(shape: DecodeShape, bits: int, dtype: torch.dtype,
     def zero(*size: int) -> torch.Tensor:
         return (torch.randn(*size, device=device, generator=gen) * 0.5).to(dtype)
 
-    cache = QuantPagedKVCache(codes(), scale(pages, heads, dim), zero(pages, heads, dim), codes(),
+    cache = QuantPagedKVCache(codes(pages, heads, page, width), scale(pages, heads, dim),
+                              zero(pages, heads, dim), codes(pages, heads, width, page),
                               scale(pages, heads, page), zero(pages, heads, page), bits)
     window = RecentWindowKV(
         torch.randn(shape.batch, heads, shape.window_tokens, dim, device=device,

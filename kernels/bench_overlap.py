@@ -194,8 +194,9 @@ def _launch(args: argparse.Namespace, shape: DecodeShape) -> QuantDecodeLaunch:
         best = res.get("best")
         if best and res["shape"]["name"] == shape.name and res["bits"] == 4 \
                 and res["dtype"] == "torch.bfloat16":
-            knobs = {k: best[k] for k in ("num_warps", "num_stages", "fast_unpack",
-                                          "pages_per_iter") if k in best}
+            knobs = best.get("launch") or {"num_warps": best["warps"],
+                                           "num_stages": best["stages"],
+                                           "fast_unpack": best["fast_unpack"]}
             return QuantDecodeLaunch(DecodeBackend.TRITON, num_splits=best["splits"], **knobs)
     return launch
 

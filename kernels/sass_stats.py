@@ -30,7 +30,8 @@ BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 
 
 def compile_sass(dtype: str, bits: int, group: int, dim: int, page: int, warps: int,
-                 stages: int, fast: bool) -> tuple[dict[str, str], str]:
+                 stages: int, fast: bool, lazy: bool = False, exact_group: bool = False,
+                 maxnreg: int | None = None) -> tuple[dict[str, str], str]:
     dot, magic, offset = DTYPES[dtype]
     fn = kernels.quant_decode_split_kernel
     const = {f"ASM_P{j}": kernels.unpack_asm(bits, magic, j)
@@ -38,7 +39,9 @@ def compile_sass(dtype: str, bits: int, group: int, dim: int, page: int, warps: 
     const.update(GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=dim,
                  PAGE=page, BLOCK_P=max(16, triton.next_power_of_2(page)), BITS=bits,
                  BLOCK_W=16, DOT_DTYPE=dot, MAGIC=magic, OFFSET=offset, UPCAST=False,
-                 IEEE=dtype == "fp32")
+                 IEEE=dtype == "fp32", LAZY_RESCALE=lazy)
+    if exact_group:
+        const["BLOCK_G"] = triton.next_power_of_2(group)
     types = {"k_packed_ptr": "*u8", "v_packed_ptr": "*u8", "part_o_ptr": "*fp32",
              "part_lse_ptr": "*fp32", "qk_scale": "fp32"}
     ints = {"num_kv_heads", "window_capacity", "num_splits", "stride_qb", "stride_qh"}
@@ -60,7 +63,8 @@ def compile_sass(dtype: str, bits: int, group: int, dim: int, page: int, warps: 
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if n in aligned}
     compiled = triton.compile(ASTSource(fn, sig, constexprs=const, attrs=attrs),
                               target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": warps, "num_stages": stages})
+                              options={"num_warps": warps, "num_stages": stages,
+                                       **({"maxnreg": maxnreg} if maxnreg else {})})
     with tempfile.TemporaryDirectory() as tmp:
         ptx, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
         Path(ptx).write_text(compiled.asm["ptx"])
@@ -103,11 +107,15 @@ def main() -> None:
     parser.add_argument("--page", type=int, default=32)
     parser.add_argument("--portable", action="store_true", help="no inline-PTX unpacking")
     parser.add_argument("--top", type=int, default=0, help="print the N commonest opcodes")
+    parser.add_argument("--lazy", action="store_true", help="lazy rescaling variant")
+    parser.add_argument("--exact-group", action="store_true", help="min_group_rows=1 variant")
+    parser.add_argument("--maxnreg", type=int, default=0, help="register cap (0: none)")
     args = parser.parse_args()
     for bits in args.bits:
         for warps in args.warps:
             stats, sass = compile_sass(args.dtype, bits, args.group, args.dim, args.page, warps,
-                                       args.stages, not args.portable)
+                                       args.stages, not args.portable, args.lazy,
+                                       args.exact_group, args.maxnreg or None)
             loop = page_loop(sass)
             print(f"{args.dtype} int{bits} G={args.group} D={args.dim} P={args.page} "
                   f"warps={warps} stages={args.stages}: regs {stats['registers']}, spills "

@@ -35,14 +35,15 @@ def _inputs(lengths: list[int], heads_kv: int, dim: int, page: int, bits: int, w
 
 def _run(inp: PagedQuantBatchInputs, heads_q: int, device: torch.device, splits: int | None,
          q: torch.Tensor | None = None,
-         backend: DecodeBackend | None = DecodeBackend.TRITON
+         backend: DecodeBackend | None = DecodeBackend.TRITON, **knobs: object
          ) -> tuple[torch.Tensor, torch.Tensor, QuantPagedDecodeWrapper]:
     batch = inp.batch.batch_size
     dim = inp.cache.head_dim
     ws = QuantDecodeWorkspace.allocate(max_batch=batch, num_q_heads=heads_q, head_dim=dim,
                                        max_splits=8, max_pages=inp.cache.num_pages,
                                        device=device)
-    wrapper = QuantPagedDecodeWrapper(ws, QuantDecodeLaunch(backend=backend, num_splits=splits))
+    wrapper = QuantPagedDecodeWrapper(ws, QuantDecodeLaunch(backend=backend, num_splits=splits,
+                                                            **knobs))  # type: ignore[arg-type]
     wrapper.plan(inp.batch, inp.cache, inp.window, num_q_heads=heads_q)
     if q is None:
         q = torch.randn(batch, heads_q, dim, generator=torch.Generator().manual_seed(7))
@@ -69,6 +70,39 @@ def test_kernel_matches_reference(dtype: torch.dtype, bits: int, page: int, spli
     out, ref, wrapper = _run(inp, heads_q=6, device=device, splits=splits)
     assert wrapper.backend is DecodeBackend.TRITON
     _assert_close(out, ref, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bits", [4, 2])
+@pytest.mark.parametrize("min_group_rows,lazy_rescale", [(1, True), (1, False), (16, True)])
+def test_launch_knobs_match_reference(dtype: torch.dtype, bits: int, min_group_rows: int,
+                                      lazy_rescale: bool, device: torch.device) -> None:
+    """Unpadded GQA tiles (group 3 -> 4 rows) and lazy rescaling compute the same function."""
+    inp = _inputs([70, 5, 130], heads_kv=2, dim=32 if bits == 4 else 64, page=16, bits=bits,
+                  window=8, dtype=dtype, device=device, seed=bits)
+    out, ref, _ = _run(inp, heads_q=6, device=device, splits=2, min_group_rows=min_group_rows,
+                       lazy_rescale=lazy_rescale)
+    _assert_close(out, ref, dtype)
+
+
+@pytest.mark.parametrize("growth", [1.0, -1.0])
+def test_lazy_rescale_with_running_max_jumps(growth: float, device: torch.device) -> None:
+    """Key magnitudes that grow (or shrink) along the sequence move the running max by far more
+    than the 2^8 lazy threshold between pages, so the rescale branch runs mid-split (or only
+    on the first page)."""
+    gen = torch.Generator().manual_seed(5)
+    length, dim = 200, 32
+    ramp = torch.linspace(0.0, 1.0, length)
+    ramp = ramp if growth > 0 else ramp.flip(0)
+    keys = [(torch.randn(2, length, dim, generator=gen) * (1 + 100 * ramp)[None, :, None])
+            .to(device)]
+    values = [torch.randn(2, length, dim, generator=gen).to(device)]
+    inp = build_quant_paged_batch(keys, values, page_size=16, bits=4, recent_window=8,
+                                  generator=gen)
+    for lazy in (True, False):
+        out, ref, _ = _run(inp, heads_q=4, device=device, splits=2, lazy_rescale=lazy,
+                           min_group_rows=1)
+        _assert_close(out, ref, torch.float32)
 
 
 @pytest.mark.parametrize("heads_q,heads_kv,dim", [(9, 3, 64), (4, 4, 32), (16, 2, 32)])
@@ -214,3 +248,19 @@ def test_gpu_unpack_paths_agree(bits: int, fast_unpack: bool, dtype: torch.dtype
     q = torch.randn(3, 8, 64, device=device).to(dtype)
     out = wrapper.run(q, inp.cache, inp.window)
     _assert_close(out, quant_paged_decode_reference(q, inp.cache, inp.window, inp.batch), dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("knobs", [
+    {"num_warps": 1, "min_group_rows": 1, "lazy_rescale": True},
+    {"num_warps": 2, "num_stages": 3, "min_group_rows": 1, "lazy_rescale": True},
+    {"num_warps": 4, "min_group_rows": 1, "lazy_rescale": False},
+    {"num_warps": 1, "max_registers": 168, "min_group_rows": 1, "lazy_rescale": True},
+    {"num_warps": 1, "fast_unpack": False, "min_group_rows": 1, "lazy_rescale": True},
+])
+def test_gpu_launch_knobs(knobs: dict[str, object], device: torch.device) -> None:
+    """The benchmark's sweep knobs compile and agree with the reference at the target shape."""
+    inp = _inputs([2048, 777, 4096, 129], heads_kv=8, dim=128, page=32, bits=4, window=64,
+                  dtype=torch.bfloat16, device=device)
+    out, ref, _ = _run(inp, heads_q=32, device=device, splits=5, **knobs)
+    _assert_close(out, ref, torch.bfloat16)

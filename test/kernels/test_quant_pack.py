@@ -13,6 +13,8 @@ from sglang_vericache.ops.quant_pack import (
     quantize_values,
     split_quantized_and_window,
     unpack_codes,
+    values_byte_major,
+    values_token_major,
 )
 from sglang_vericache.ops.reference import dequantize_request_pages
 
@@ -101,3 +103,23 @@ def test_batch_validation_rejects_bad_metadata() -> None:
         meta(16, 0, [0, 0]).validate(16, 2, 4, 1)  # no tokens at all
     with pytest.raises(ValueError):
         meta(16, 0, [0, 2]).validate(16, 1, 4, 1)  # page id 1 outside a 1-page pool
+
+
+def test_value_pages_are_stored_byte_major() -> None:
+    """Physical layout pin (ops/layout.py): v_packed[p, h, j, t] is byte j of token t's packed
+    value row; keys stay token-major, k_packed[p, h, t, j]."""
+    torch.manual_seed(2)
+    keys, values = [torch.randn(2, 40, 16)], [torch.randn(2, 40, 16)]
+    inp = build_quant_paged_batch(keys, values, page_size=16, bits=4, recent_window=8,
+                                  shuffle_pages=False)
+    vp, _, _ = quantize_values(values[0][:, :32], 4)  # [H, T, D/2] token-major rows
+    kp, _, _ = quantize_keys(keys[0][:, :32], 4, 16)
+    assert inp.cache.v_packed.shape == (2, 2, 8, 16)
+    for page in range(2):
+        for t in range(16):
+            row = page * 16 + t
+            assert torch.equal(inp.cache.v_packed[page, :, :, t], vp[:, row])
+            assert torch.equal(inp.cache.k_packed[page, :, t], kp[:, row])
+    stored = values_byte_major(vp.reshape(2, 2, 16, 8))
+    assert stored.is_contiguous() and torch.equal(values_token_major(stored),
+                                                  vp.reshape(2, 2, 16, 8))

@@ -13,7 +13,7 @@ Here the key group IS the page: G == P, so every page carries one key scale/zero
     page p ─┬─ k_packed[p, h] : P rows x D*b/8 bytes  (row = token, bytes along channels)
             ├─ k_scale [p, h] : D      (per channel, over this page's P tokens)
             ├─ k_zero  [p, h] : D
-            ├─ v_packed[p, h] : P rows x D*b/8 bytes
+            ├─ v_packed[p, h] : D*b/8 rows x P bytes  (BYTE-MAJOR: row j = byte j of each token)
             ├─ v_scale [p, h] : P      (per token, over all D channels)
             └─ v_zero  [p, h] : P
 
@@ -30,6 +30,18 @@ Here the key group IS the page: G == P, so every page carries one key scale/zero
       its first window_len[b] rows (0..R_max). A slot-indexed buffer (like SGLang's
       req_to_token pool) lets the caller append one token per step in place, without
       re-gathering a [B, ...] tensor whenever the batch changes.
+
+Physical page layout (what the kernels read; the logical format above is unchanged):
+  k_packed[p, h, t, j]  byte j of token t's packed key row: token-major, as the format packs it.
+  v_packed[p, h, j, t]  the same byte of token t's packed VALUE row, stored transposed
+                        (byte-major): the 32 tokens of one byte column are contiguous.
+Why: in the kernel, keys are the B operand of q @ K^T (reduction over channels = bytes of a
+row, contiguous as stored) and values the B operand of p @ V (reduction over tokens). Stored
+token-major, a value tile reaches the tensor-core operand only through shared memory one byte
+at a time (LDS.U8, ~64 per page per warp in SASS); stored byte-major, the reduction dim is
+contiguous and the bytes go from global memory straight into operand registers (page loop 1307
+-> 1204 instructions per page at 1 warp, registers 210 -> 197; kernels/sass_stats.py, sm_90a).
+The transposition is a storage detail of one page: pack with ``quant_pack.values_byte_major``.
 
 Attention in decode has no position-dependent mask, so the order of quantized pages and window
 tokens does not matter to the result; keys are stored post-RoPE.
@@ -59,7 +71,8 @@ class QuantPagedKVCache:
     k_packed: [num_pages, H_kv, P, D * bits // 8] uint8, key codes packed along channels.
     k_scale:  [num_pages, H_kv, D] kv dtype, per-channel key scale over the page's tokens.
     k_zero:   [num_pages, H_kv, D] kv dtype, per-channel key zero point (the group minimum).
-    v_packed: [num_pages, H_kv, P, D * bits // 8] uint8, value codes packed along channels.
+    v_packed: [num_pages, H_kv, D * bits // 8, P] uint8, value codes packed along channels,
+              stored byte-major: v_packed[p, h, j, t] = byte j of token t's packed row.
     v_scale:  [num_pages, H_kv, P] kv dtype, per-token value scale.
     v_zero:   [num_pages, H_kv, P] kv dtype, per-token value zero point.
     bits:     2 or 4.
@@ -77,9 +90,10 @@ class QuantPagedKVCache:
         per_byte = codes_per_byte(self.bits)
         if self.k_packed.dim() != 4 or self.k_packed.dtype != torch.uint8:
             raise ValueError("k_packed must be [num_pages, H_kv, P, D*bits/8] uint8")
-        if self.v_packed.shape != self.k_packed.shape or self.v_packed.dtype != torch.uint8:
-            raise ValueError("v_packed must match k_packed's shape and be uint8")
-        num_pages, heads, page, _ = self.k_packed.shape
+        num_pages, heads, page, width = self.k_packed.shape
+        if (tuple(self.v_packed.shape) != (num_pages, heads, width, page)
+                or self.v_packed.dtype != torch.uint8):
+            raise ValueError("v_packed must be [num_pages, H_kv, D*bits/8, P] uint8 (byte-major)")
         dim = self.head_dim
         if self.k_packed.shape[3] * per_byte != dim:
             raise ValueError("packed width disagrees with head_dim")

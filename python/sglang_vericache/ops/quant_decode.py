@@ -46,6 +46,16 @@ class QuantDecodeLaunch:
     num_stages: int = 2
     block_window: int = 16
     fast_unpack: bool = True  # GPU, 16-bit KV: inline-PTX unpacking (see _code_planes)
+    # GPU: cap on registers per thread for the split kernel (ptxas .maxnreg); None: the
+    # compiler's choice. At 1 warp the kernel takes ~200 registers, which limits an SM to ~10
+    # resident programs; a cap trades a few spills for more warps to hide memory latency.
+    max_registers: int | None = None
+    # Query rows per GQA group tile: the group padded to a power of two >= this. 16 suits every
+    # Triton; smaller (e.g. 1) lets the score/output dots use the group's own size (Triton pads
+    # M internally), which cuts the registers of the query tiles and accumulators for GQA 4.
+    min_group_rows: int = MIN_DOT_ROWS
+    # Rescale the running output only when the running max grows by > 2^8 (see the kernel).
+    lazy_rescale: bool = False
 
     def __post_init__(self) -> None:
         if self.num_splits is not None and self.num_splits < 1:
@@ -56,6 +66,10 @@ class QuantDecodeLaunch:
             raise ValueError("num_stages must be >= 1")
         if self.block_window < MIN_DOT_ROWS or self.block_window & (self.block_window - 1):
             raise ValueError("block_window must be a power of two >= 16")
+        if self.min_group_rows < 1 or self.min_group_rows & (self.min_group_rows - 1):
+            raise ValueError("min_group_rows must be a power of two >= 1")
+        if self.max_registers is not None and not 24 <= self.max_registers <= 255:
+            raise ValueError("max_registers must be in 24..255")
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,6 +176,8 @@ class _TritonDecode:
             torch.float32: (tl.float32, 0, 0.0),
         }[geo.dtype]
         group = heads_q // geo.num_kv_heads
+        extra = ({"maxnreg": self._launch.max_registers}
+                 if self._launch.max_registers is not None and not self._interpreted else {})
         self._kernels.quant_decode_split_kernel[(batch, geo.num_kv_heads, splits)](
             q, cache.k_packed, cache.k_scale, cache.k_zero, cache.v_packed, cache.v_scale,
             cache.v_zero, window.keys, window.values,
@@ -169,13 +185,15 @@ class _TritonDecode:
             meta.window_len, part_o, part_lse,
             plan.sm_scale * LOG2E, geo.num_kv_heads, geo.window_capacity, splits,
             q.stride(0), q.stride(1),
-            GROUP=group, BLOCK_G=max(MIN_DOT_ROWS, _next_pow2(group)), HEAD_DIM=dim,
+            GROUP=group, BLOCK_G=max(self._launch.min_group_rows, _next_pow2(group)),
+            HEAD_DIM=dim,
             PAGE=geo.page_size, BLOCK_P=max(MIN_DOT_ROWS, _next_pow2(geo.page_size)),
             BITS=geo.bits, BLOCK_W=self._launch.block_window,
             DOT_DTYPE=dot_dtype, MAGIC=magic, OFFSET=offset,
             UPCAST=self._interpreted, IEEE=geo.dtype == torch.float32,
+            LAZY_RESCALE=self._launch.lazy_rescale,
             **self._unpack_asm(geo, magic),
-            num_warps=self._launch.num_warps, num_stages=self._launch.num_stages,
+            num_warps=self._launch.num_warps, num_stages=self._launch.num_stages, **extra,
         )
         self._kernels.merge_splits_kernel[(batch, heads_q)](
             part_o, part_lse, out, heads_q, splits, out.stride(0), out.stride(1),

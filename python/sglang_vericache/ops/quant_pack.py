@@ -108,6 +108,20 @@ def dequantize_values(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Ten
     return unpack_codes(packed, bits).float() * scale.float() + zero.float()
 
 
+def values_byte_major(packed_pages: torch.Tensor) -> torch.Tensor:
+    """Packed value pages as the pool stores them (see ops/layout.py, physical page layout).
+
+    packed_pages: [..., P, D*bits/8] uint8 (token-major, as pack_codes gives per token).
+    Returns [..., D*bits/8, P] uint8, contiguous: byte j of every token of the page in a row.
+    """
+    return packed_pages.transpose(-1, -2).contiguous()
+
+
+def values_token_major(stored_pages: torch.Tensor) -> torch.Tensor:
+    """Inverse of values_byte_major: [..., D*bits/8, P] -> [..., P, D*bits/8] uint8 (a view)."""
+    return stored_pages.transpose(-1, -2)
+
+
 @dataclass(frozen=True, slots=True)
 class PagedQuantBatchInputs:
     """Everything one decode over a quantized paged batch reads (build_quant_paged_batch)."""
@@ -153,7 +167,7 @@ def build_quant_paged_batch(keys: Sequence[torch.Tensor], values: Sequence[torch
     window_cap = max(max(k.shape[1] - q for k, q in zip(keys, quant_tokens)), 1)
 
     k_packed = torch.zeros(pool_pages, heads, page_size, width, dtype=torch.uint8, device=device)
-    v_packed = torch.zeros_like(k_packed)
+    v_packed = torch.zeros(pool_pages, heads, width, page_size, dtype=torch.uint8, device=device)
     k_scale = torch.zeros(pool_pages, heads, dim, dtype=dtype, device=device)
     k_zero = torch.zeros_like(k_scale)
     v_scale = torch.zeros(pool_pages, heads, page_size, dtype=dtype, device=device)
@@ -172,7 +186,8 @@ def build_quant_paged_batch(keys: Sequence[torch.Tensor], values: Sequence[torch
             kp, ks, kz = quantize_keys(k[:, :n_quant], bits, page_size)
             vp, vs, vz = quantize_values(v[:, :n_quant], bits)
             k_packed[ids] = kp.reshape(heads, n_pages, page_size, width).transpose(0, 1)
-            v_packed[ids] = vp.reshape(heads, n_pages, page_size, width).transpose(0, 1)
+            v_packed[ids] = values_byte_major(
+                vp.reshape(heads, n_pages, page_size, width).transpose(0, 1))
             k_scale[ids] = ks.transpose(0, 1)
             k_zero[ids] = kz.transpose(0, 1)
             v_scale[ids] = vs.reshape(heads, n_pages, page_size).transpose(0, 1)

@@ -11,7 +11,7 @@ import math
 import torch
 
 from sglang_vericache.ops.layout import QuantPagedBatch, QuantPagedKVCache, RecentWindowKV
-from sglang_vericache.ops.quant_pack import unpack_codes
+from sglang_vericache.ops.quant_pack import unpack_codes, values_token_major
 
 
 def gqa_attention_fp32(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
@@ -43,7 +43,7 @@ def dequantize_request_pages(cache: QuantPagedKVCache, batch: QuantPagedBatch, i
         return empty, empty.clone()
     ids = batch.kv_page_indices[start:end].long()
     k_codes = unpack_codes(cache.k_packed[ids], cache.bits).float()  # [n, H, P, D]
-    v_codes = unpack_codes(cache.v_packed[ids], cache.bits).float()
+    v_codes = unpack_codes(values_token_major(cache.v_packed[ids]), cache.bits).float()
     keys = k_codes * cache.k_scale[ids].float()[:, :, None] + cache.k_zero[ids].float()[:, :, None]
     values = v_codes * cache.v_scale[ids].float()[..., None] + cache.v_zero[ids].float()[..., None]
     n_tokens = (end - start - 1) * page + int(batch.kv_last_page_len[index])

@@ -7,6 +7,10 @@ once per kv head; the group is padded to BLOCK_G >= 16 rows for tl.dot. The last
 covers the recent window. Each split writes its normalised partial output and its log2-sum-exp.
 Stage 2, one program per (request, query head): merges the splits by log-sum-exp.
 
+Key pages are token-major and value pages byte-major (ops/layout.py): in both dots the packed
+operand's reduction dim is then the contiguous one, so the bytes load straight into tensor-core
+operand registers instead of passing through shared memory one byte at a time.
+
 Bit planes instead of interleaving: code j of every byte (channels j, j + PL, j + 2 PL, ... with
 PL = 8 / BITS codes per byte) forms a plane of D / PL channels, and every product is a sum of
 per-plane dots. So a plane is a shift and a mask of the loaded bytes, with no register shuffle.
@@ -25,6 +29,10 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+
+# Lazy rescaling threshold (log2 domain): see the page loop of quant_decode_split_kernel.
+RESCALE_LOG2 = tl.constexpr(8.0)
 
 
 @triton.jit
@@ -133,6 +141,7 @@ def quant_decode_split_kernel(
     DOT_DTYPE: tl.constexpr, MAGIC: tl.constexpr, OFFSET: tl.constexpr,
     UPCAST: tl.constexpr, IEEE: tl.constexpr,
     ASM_P0: tl.constexpr, ASM_P1: tl.constexpr, ASM_P2: tl.constexpr, ASM_P3: tl.constexpr,
+    LAZY_RESCALE: tl.constexpr,
 ):
     """q: [B, H_q, D]; pools as in ops/layout.py; part_o: [B, H_q, S, D] fp32;
     part_lse: [B, H_q, S] fp32 (log2 domain, -inf for an empty split)."""
@@ -181,6 +190,7 @@ def quant_decode_split_kernel(
         head_page = page * num_kv_heads + pid_h
         tok_ok = row < n_valid
         tile = head_page * (PAGE * WIDTH) + row[:, None] * WIDTH + w[None, :]
+        tile_t = head_page * (PAGE * WIDTH) + w[:, None] * PAGE + row[None, :]
 
         k_bytes = tl.load(k_packed_ptr + tile, mask=row_in_page[:, None], other=0)
         s0, s1, s2, s3 = _channel_planes(tl.load(k_scale_ptr + head_page * HEAD_DIM + d), PL)
@@ -198,25 +208,40 @@ def quant_decode_split_kernel(
                       UPCAST, IEEE)
         s = tl.where(tok_ok[None, :], s * qk_scale, float("-inf"))
 
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
+        # LAZY_RESCALE: the running max (and with it l, the zero term and the accumulators)
+        # moves only when some row's page max exceeds it by more than RESCALE_LOG2; otherwise
+        # p stays <= 2^RESCALE_LOG2 against the stale max, exact in fp32 and fine for a 16-bit
+        # dot operand. The first page always rescales (m_i = -inf; every page has a valid token).
+        m_page = tl.max(s, 1)
+        if (not LAZY_RESCALE) or tl.max(m_page - m_i, 0) > RESCALE_LOG2:
+            m_new = tl.maximum(m_i, m_page)
+            alpha = tl.exp2(m_i - m_new)
+            l_i = l_i * alpha
+            zero_acc = zero_acc * alpha
+            acc0 = acc0 * alpha[:, None]
+            acc1 = acc1 * alpha[:, None]
+            if PL == 4:
+                acc2 = acc2 * alpha[:, None]
+                acc3 = acc3 * alpha[:, None]
+            m_i = m_new
+        p = tl.exp2(s - m_i[:, None])
+        l_i += tl.sum(p, 1)
 
-        v_bytes = tl.load(v_packed_ptr + tile, mask=row_in_page[:, None], other=0)
+        # Value pages are byte-major ([WIDTH, PAGE], ops/layout.py): loaded as stored, then
+        # transposed as a view, so the reduction dim (tokens) is the contiguous one.
+        v_bytes = tl.trans(tl.load(v_packed_ptr + tile_t, mask=row_in_page[None, :], other=0))
         v_scale = tl.load(v_scale_ptr + head_page * PAGE + row, mask=tok_ok, other=0.0)
         v_zero = tl.load(v_zero_ptr + head_page * PAGE + row, mask=tok_ok, other=0.0)
         p_scaled = (p * v_scale.to(tl.float32)[None, :]).to(DOT_DTYPE)
-        zero_acc = zero_acc * alpha + tl.sum(p * v_zero.to(tl.float32)[None, :]
-                                             - OFFSET * p_scaled.to(tl.float32), 1)
+        zero_acc += tl.sum(p * v_zero.to(tl.float32)[None, :]
+                           - OFFSET * p_scaled.to(tl.float32), 1)
         c0, c1, c2, c3 = _code_planes(v_bytes, BITS, DOT_DTYPE, MAGIC, ASM_P0, ASM_P1, ASM_P2,
                                       ASM_P3)
-        acc0 = acc0 * alpha[:, None] + _mma(p_scaled, c0, UPCAST, IEEE)
-        acc1 = acc1 * alpha[:, None] + _mma(p_scaled, c1, UPCAST, IEEE)
+        acc0 += _mma(p_scaled, c0, UPCAST, IEEE)
+        acc1 += _mma(p_scaled, c1, UPCAST, IEEE)
         if PL == 4:
-            acc2 = acc2 * alpha[:, None] + _mma(p_scaled, c2, UPCAST, IEEE)
-            acc3 = acc3 * alpha[:, None] + _mma(p_scaled, c3, UPCAST, IEEE)
-        m_i = m_new
+            acc2 += _mma(p_scaled, c2, UPCAST, IEEE)
+            acc3 += _mma(p_scaled, c3, UPCAST, IEEE)
 
     # The recent full-precision window belongs to the last split; it is read plane by plane
     # (strided channels) so that it accumulates into the same planes.
