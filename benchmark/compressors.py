@@ -302,12 +302,16 @@ def main(argv: list[str] | None = None) -> dict:
     if args.merge is not None:
         return _merge(args, model_name, geo, prompts, tok, rows, families, ratios, xs)
     todo = prompts
+    skip, cpu_offset = 0, 0.0
     if args.shard is not None:
         k, n = (int(v) for v in args.shard.split("/"))
         todo = prompts[k::n]
+        skip, prior_s, prior_cpu = _resume_shard(args, rows, xs)  # a restarted shard continues
+        todo = todo[skip:]
+        started, cpu_offset = started - prior_s, prior_cpu
     lossy_len = args.horizon + max(xs) + 2
     bar = tqdm(todo, desc="compressors", unit="prompt")
-    cpu_started = time.process_time()
+    cpu_started = time.process_time() - cpu_offset
     doc: dict = {}
     for done, prompt in enumerate(bar):
         ids = torch.tensor(tok.encode(prompt["text"]), dtype=torch.int64)
@@ -354,7 +358,7 @@ def main(argv: list[str] | None = None) -> dict:
                 row["accepted"][c.x].append(c.accepted)
         # Written after every prompt, so an interrupted run still leaves consistent results.
         if args.shard is not None:
-            _save_shard(args, rows, done + 1, started, cpu_started)
+            _save_shard(args, rows, skip + done + 1, started, cpu_started)
             continue
         meta = _meta(args, model_name, geo, prompts, tok, done + 1, started, cpu_started)
         doc = write_outputs(Path(args.out_dir), meta, rows, families, ratios, xs, DROPPERS, QUANTIZERS, args)
@@ -369,11 +373,34 @@ def _save_shard(args, rows: dict, done: int, started: float, cpu_started: float)
     SHARD_DIR.mkdir(parents=True, exist_ok=True)
     raw = {f"{f}|{r}": {**row, "accepted": {str(x): a for x, a in row["accepted"].items()}}
            for (f, r), row in rows.items()}
-    doc = {"rows": raw, "done": done, "seconds": time.time() - started,
+    doc = {"rows": raw, "done": done, "settings": _shard_settings(args), "seconds": time.time() - started,
            "cpu_seconds": time.process_time() - cpu_started}
     tmp = SHARD_DIR / f"shard-{k}-of-{n}.json.tmp"
     tmp.write_text(json.dumps(doc))
     tmp.replace(SHARD_DIR / f"shard-{k}-of-{n}.json")
+
+
+def _resume_shard(args, rows: dict, xs: list[int]) -> tuple[int, float, float]:
+    """Loads a shard's saved rows (same settings) into ``rows``; returns (prompts it covers,
+    wall seconds, CPU seconds so far)."""
+    k, n = args.shard.split("/")
+    path = SHARD_DIR / f"shard-{k}-of-{n}.json"
+    if not path.exists():
+        return 0, 0.0, 0.0
+    shard = json.loads(path.read_text())
+    if shard.get("settings") != _shard_settings(args):
+        return 0, 0.0, 0.0
+    for (f, r), row in rows.items():
+        got = shard["rows"][f"{f}|{r}"]
+        for key in ("specs", "ratio", "bytes_per_token", "matched"):
+            row[key].extend(got[key])
+        for x in xs:
+            row["accepted"][x].extend(got["accepted"][str(x)])
+    return shard["done"], shard["seconds"], shard["cpu_seconds"]
+
+
+def _shard_settings(args) -> dict:
+    return {k: v for k, v in vars(args).items() if k not in ("out_dir", "mem_gb", "merge")}
 
 
 def _merge(args, model_name, geo, prompts, tok, rows, families, ratios, xs) -> dict:

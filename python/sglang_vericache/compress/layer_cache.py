@@ -1,7 +1,8 @@
 """Decode-time growth of one layer's compressed KV: a recent full-precision window + periodic folds.
 
 Newly committed tokens (their exact KV from the verify pass) are appended to a pending window in
-full precision. Whenever the window holds ``fold_every`` tokens they are folded into the compressed
+full precision. Whenever the window holds ``recent + fold_every`` tokens, its oldest ``fold_every``
+are folded into the compressed
 body by ``Compressor.extend``: droppers re-select over body + new tokens with the budget of the
 grown sequence, quantizers quantize the whole groups that leave their residual window, a
 composition thins the chunk then quantizes. The state after appending a token sequence does not
@@ -27,9 +28,14 @@ class CompressedLayerCache:
     """
 
     def __init__(self, compressor: Compressor, layer_id: int, compressed: CompressedKV, *,
-                 num_layers: int | None = None, fold_every: int = 32, obs_window: int = 32) -> None:
-        if fold_every < 1 or obs_window < 0:
-            raise ValueError("fold_every must be >= 1 and obs_window >= 0")
+                 num_layers: int | None = None, fold_every: int = 32, obs_window: int = 32,
+                 recent: int = 0) -> None:
+        """recent: tokens that always stay in the full-precision window (never folded yet); 0
+        folds the whole window every ``fold_every`` tokens (the setting the benchmark measured).
+        A composition thins each folded chunk, so recent > 0 keeps the newest tokens whole."""
+        if fold_every < 1 or obs_window < 0 or recent < 0:
+            raise ValueError("fold_every must be >= 1, obs_window and recent >= 0")
+        self.recent = recent
         self.compressor = compressor
         self.layer_id = layer_id
         self.num_layers = num_layers
@@ -89,11 +95,11 @@ class CompressedLayerCache:
         # is the same however the caller chunks its appends.
         done = 0
         while done < positions.numel():
-            take = min(positions.numel() - done, self.fold_every - self._positions.numel())
+            take = min(positions.numel() - done, self.recent + self.fold_every - self._positions.numel())
             sl = slice(done, done + take)
             self._push(keys[:, sl], values[:, sl], positions[sl], None if queries is None else queries[:, sl])
             done += take
-            if self._positions.numel() >= self.fold_every:
+            if self._positions.numel() >= self.recent + self.fold_every:
                 self._fold()
 
     def _push(self, keys: Tensor, values: Tensor, positions: Tensor, queries: Tensor | None) -> None:
@@ -132,7 +138,7 @@ class CompressedLayerCache:
         c = self._compressed
         assert self._keys.shape == self._values.shape, "window keys/values differ in shape"
         assert self._keys.shape[1] == self._positions.numel(), "window positions out of sync"
-        assert self._positions.numel() < self.fold_every, "window not folded"
+        assert self._positions.numel() < self.recent + self.fold_every, "window not folded"
         pos = c.positions
         assert pos.shape == (c.num_heads, c.num_kept), "kept positions shape"
         if c.num_kept > 1:

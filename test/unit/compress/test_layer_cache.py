@@ -82,3 +82,18 @@ def test_append_validates(tiny_kv) -> None:
         fresh._queries = None
         fresh.append(tiny_kv.next_keys[1][:, :8], tiny_kv.next_values[1][:, :8], torch.arange(t, t + 8))
     assert isinstance(cache.observation(), Observation)
+
+
+def test_recent_window_stays_whole(tiny_kv) -> None:
+    layer, t = 1, tiny_kv.num_tokens
+    comp = build_compressor("snapkv:ratio=0.25,window=4+kivi:bits=4,group=16,residual=0")
+    c = comp.compress(layer, tiny_kv.keys[layer], tiny_kv.values[layer], tiny_kv.obs(layer))
+    cache = CompressedLayerCache(comp, layer, c, num_layers=3, fold_every=8, obs_window=8, recent=16)
+    for i in range(40):
+        cache.append(tiny_kv.next_keys[layer][:, i : i + 1], tiny_kv.next_values[layer][:, i : i + 1],
+                     torch.tensor([t + i]), tiny_kv.next_queries[layer][:, i : i + 1])
+        cache.check_integrity()
+        assert cache.num_pending >= min(i + 1, 16)  # the newest 16 are never thinned or quantized
+    _, _, pos = cache.view()
+    assert pos[0, -16:].tolist() == list(range(t + 24, t + 40))
+    assert cache.version == 3
