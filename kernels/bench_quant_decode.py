@@ -47,16 +47,21 @@ VARIANTS = (  # (shape index, bits, dtype)
 SPLITS = (None, 4, 8, 12, 16, 24, 32)
 # Launch knobs (QuantDecodeLaunch fields), most promising first: the sweep stops when its
 # budget runs out. Columns: num_warps, num_stages, fast_unpack, max_registers, min_group_rows,
-# lazy_rescale. The first row is the defaults; min_group_rows=1 and lazy_rescale cut the page
-# loop from ~1200 to ~1080 static SASS instructions at 1 warp (184 registers instead of 197).
+# lazy_rescale, swapped_mma. The first row is the defaults. Static SASS per page at 1 warp
+# (kernels/README.md): defaults 1204 instr / 197 regs; min_group_rows=1 + lazy 1081 / 184;
+# swapped MMA 969 / 168 (80 registers at 2 warps).
 KNOBS = ("num_warps", "num_stages", "fast_unpack", "max_registers", "min_group_rows",
-         "lazy_rescale")
+         "lazy_rescale", "swapped_mma")
 KERNEL_VARIANTS = (
-    (1, 2, True, None, 16, False), (1, 2, True, None, 1, True), (2, 2, True, None, 1, True),
-    (1, 3, True, None, 1, True), (1, 2, True, 168, 1, True), (2, 3, True, None, 1, True),
-    (4, 2, True, None, 1, True), (1, 2, True, None, 1, False), (1, 4, True, None, 1, True),
-    (2, 2, True, None, 16, False), (4, 3, True, None, 1, True), (1, 2, False, None, 16, False),
-    (1, 2, True, None, 16, True), (8, 2, True, None, 1, True),
+    (1, 2, True, None, 16, False, False), (2, 2, True, None, 1, True, True),
+    (1, 2, True, None, 1, True, True), (4, 2, True, None, 1, True, True),
+    (2, 3, True, None, 1, True, True), (1, 2, True, None, 1, True, False),
+    (2, 2, True, None, 1, True, False), (1, 3, True, None, 1, True, True),
+    (2, 4, True, None, 1, True, True), (4, 3, True, None, 1, True, True),
+    (1, 2, True, 168, 1, True, False), (2, 2, False, None, 1, True, True),
+    (1, 3, True, None, 1, True, False), (4, 2, True, None, 1, True, False),
+    (2, 2, True, None, 1, False, True), (8, 2, True, None, 1, True, True),
+    (1, 2, False, None, 16, False, False),
 )
 SMOKE_SHAPES = (  # CPU interpreter: exercises the script, measures nothing
     DecodeShape("smoke_gqa4", batch=2, context=200, num_q_heads=8, num_kv_heads=2, head_dim=64,

@@ -23,6 +23,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from sglang_vericache.ops.triton import quant_decode_kernels as kernels
+from sglang_vericache.ops.triton import quant_decode_swapped as swapped_kernels
 
 DTYPES = {"bf16": (tl.bfloat16, 0x4300, 128.0), "fp16": (tl.float16, 0x6400, 1024.0),
           "fp32": (tl.float32, 0, 0.0)}
@@ -31,9 +32,10 @@ BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 
 def compile_sass(dtype: str, bits: int, group: int, dim: int, page: int, warps: int,
                  stages: int, fast: bool, lazy: bool = False, exact_group: bool = False,
-                 maxnreg: int | None = None) -> tuple[dict[str, str], str]:
+                 maxnreg: int | None = None, swapped: bool = False) -> tuple[dict[str, str], str]:
     dot, magic, offset = DTYPES[dtype]
-    fn = kernels.quant_decode_split_kernel
+    fn = (swapped_kernels.quant_decode_split_kernel_swapped if swapped
+          else kernels.quant_decode_split_kernel)
     const = {f"ASM_P{j}": kernels.unpack_asm(bits, magic, j)
              if fast and dtype != "fp32" and j < 8 // bits else "" for j in range(4)}
     const.update(GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=dim,
@@ -110,12 +112,13 @@ def main() -> None:
     parser.add_argument("--lazy", action="store_true", help="lazy rescaling variant")
     parser.add_argument("--exact-group", action="store_true", help="min_group_rows=1 variant")
     parser.add_argument("--maxnreg", type=int, default=0, help="register cap (0: none)")
+    parser.add_argument("--swapped", action="store_true", help="swapped-MMA kernel")
     args = parser.parse_args()
     for bits in args.bits:
         for warps in args.warps:
             stats, sass = compile_sass(args.dtype, bits, args.group, args.dim, args.page, warps,
                                        args.stages, not args.portable, args.lazy,
-                                       args.exact_group, args.maxnreg or None)
+                                       args.exact_group, args.maxnreg or None, args.swapped)
             loop = page_loop(sass)
             print(f"{args.dtype} int{bits} G={args.group} D={args.dim} P={args.page} "
                   f"warps={warps} stages={args.stages}: regs {stats['registers']}, spills "

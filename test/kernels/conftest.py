@@ -22,6 +22,8 @@ def _load_kernels_interpreted() -> None:
         module = importlib.import_module("sglang_vericache.ops.triton.quant_decode_kernels")
         if not module.kernels_are_interpreted():
             importlib.reload(module)
+        swapped = importlib.import_module("sglang_vericache.ops.triton.quant_decode_swapped")
+        importlib.reload(swapped)  # its kernel must be interpreted too
     finally:
         if previous is None:
             del os.environ["TRITON_INTERPRET"]

@@ -74,14 +74,18 @@ def test_kernel_matches_reference(dtype: torch.dtype, bits: int, page: int, spli
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bits", [4, 2])
-@pytest.mark.parametrize("min_group_rows,lazy_rescale", [(1, True), (1, False), (16, True)])
+@pytest.mark.parametrize("min_group_rows,lazy_rescale,swapped_mma",
+                         [(1, True, False), (1, False, False), (16, True, False), (1, True, True),
+                          (16, False, True)])
 def test_launch_knobs_match_reference(dtype: torch.dtype, bits: int, min_group_rows: int,
-                                      lazy_rescale: bool, device: torch.device) -> None:
-    """Unpadded GQA tiles (group 3 -> 4 rows) and lazy rescaling compute the same function."""
+                                      lazy_rescale: bool, swapped_mma: bool,
+                                      device: torch.device) -> None:
+    """Unpadded GQA tiles (group 3 -> 4 rows), lazy rescaling and the swapped-MMA kernel
+    compute the same function."""
     inp = _inputs([70, 5, 130], heads_kv=2, dim=32 if bits == 4 else 64, page=16, bits=bits,
                   window=8, dtype=dtype, device=device, seed=bits)
     out, ref, _ = _run(inp, heads_q=6, device=device, splits=2, min_group_rows=min_group_rows,
-                       lazy_rescale=lazy_rescale)
+                       lazy_rescale=lazy_rescale, swapped_mma=swapped_mma)
     _assert_close(out, ref, dtype)
 
 
@@ -99,17 +103,19 @@ def test_lazy_rescale_with_running_max_jumps(growth: float, device: torch.device
     values = [torch.randn(2, length, dim, generator=gen).to(device)]
     inp = build_quant_paged_batch(keys, values, page_size=16, bits=4, recent_window=8,
                                   generator=gen)
-    for lazy in (True, False):
+    for lazy, swapped in ((True, False), (False, False), (True, True)):
         out, ref, _ = _run(inp, heads_q=4, device=device, splits=2, lazy_rescale=lazy,
-                           min_group_rows=1)
+                           min_group_rows=1, swapped_mma=swapped)
         _assert_close(out, ref, torch.float32)
 
 
+@pytest.mark.parametrize("swapped_mma", [False, True])
 @pytest.mark.parametrize("heads_q,heads_kv,dim", [(9, 3, 64), (4, 4, 32), (16, 2, 32)])
-def test_gqa_group_sizes(heads_q: int, heads_kv: int, dim: int, device: torch.device) -> None:
+def test_gqa_group_sizes(heads_q: int, heads_kv: int, dim: int, swapped_mma: bool,
+                         device: torch.device) -> None:
     inp = _inputs([40, 33], heads_kv=heads_kv, dim=dim, page=16, bits=4, window=4,
                   dtype=torch.float16, device=device, seed=heads_q)
-    out, ref, _ = _run(inp, heads_q=heads_q, device=device, splits=2)
+    out, ref, _ = _run(inp, heads_q=heads_q, device=device, splits=2, swapped_mma=swapped_mma)
     _assert_close(out, ref, torch.float16)
 
 
@@ -121,7 +127,9 @@ def test_any_page_size(page: int, device: torch.device) -> None:
     _assert_close(out, ref, torch.float32)
 
 
-def test_partial_last_page_and_window_only_requests(device: torch.device) -> None:
+@pytest.mark.parametrize("swapped_mma", [False, True])
+def test_partial_last_page_and_window_only_requests(swapped_mma: bool,
+                                                    device: torch.device) -> None:
     inp = _inputs([64, 64, 10], heads_kv=2, dim=32, page=16, bits=4, window=0,
                   dtype=torch.float32, device=device)
     # Request 0: last page has 5 valid tokens; request 1: pages only; request 2: window only.
@@ -132,14 +140,16 @@ def test_partial_last_page_and_window_only_requests(device: torch.device) -> Non
     partial = dataclasses.replace(inp, batch=meta)
     assert partial.batch.kv_indptr.tolist() == [0, 4, 8, 8]
     assert partial.batch.window_len.tolist() == [0, 0, 10]
-    out, ref, _ = _run(partial, heads_q=4, device=device, splits=3)
+    out, ref, _ = _run(partial, heads_q=4, device=device, splits=3, swapped_mma=swapped_mma)
     _assert_close(out, ref, torch.float32)
 
 
-def test_more_splits_than_pages_leaves_empty_splits(device: torch.device) -> None:
+@pytest.mark.parametrize("swapped_mma", [False, True])
+def test_more_splits_than_pages_leaves_empty_splits(swapped_mma: bool,
+                                                    device: torch.device) -> None:
     inp = _inputs([20, 140], heads_kv=1, dim=32, page=16, bits=4, window=2,
                   dtype=torch.float32, device=device)
-    out, ref, wrapper = _run(inp, heads_q=1, device=device, splits=8)
+    out, ref, wrapper = _run(inp, heads_q=1, device=device, splits=8, swapped_mma=swapped_mma)
     assert wrapper.num_splits == 8
     _assert_close(out, ref, torch.float32)
 
@@ -257,6 +267,12 @@ def test_gpu_unpack_paths_agree(bits: int, fast_unpack: bool, dtype: torch.dtype
     {"num_warps": 4, "min_group_rows": 1, "lazy_rescale": False},
     {"num_warps": 1, "max_registers": 168, "min_group_rows": 1, "lazy_rescale": True},
     {"num_warps": 1, "fast_unpack": False, "min_group_rows": 1, "lazy_rescale": True},
+    {"num_warps": 1, "min_group_rows": 1, "lazy_rescale": True, "swapped_mma": True},
+    {"num_warps": 2, "min_group_rows": 1, "lazy_rescale": True, "swapped_mma": True},
+    {"num_warps": 4, "num_stages": 3, "min_group_rows": 1, "lazy_rescale": True,
+     "swapped_mma": True},
+    {"num_warps": 2, "fast_unpack": False, "min_group_rows": 1, "lazy_rescale": True,
+     "swapped_mma": True},
 ])
 def test_gpu_launch_knobs(knobs: dict[str, object], device: torch.device) -> None:
     """The benchmark's sweep knobs compile and agree with the reference at the target shape."""
