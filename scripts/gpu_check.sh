@@ -50,11 +50,11 @@ log "stream-relevant env: CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTI
 if "$PY" -c "import pytest" 2>/dev/null; then
   XDIST=()  # parallel workers overlap Triton compiles
   "$PY" -c "import xdist" 2>/dev/null && XDIST=(-n 4)
-  step kernel_tests 110 "$PY" -m pytest test/kernels -q -p no:cacheprovider -rs ${XDIST[@]+"${XDIST[@]}"} \
+  step kernel_tests 150 "$PY" -m pytest test/kernels -q -p no:cacheprovider -rs ${XDIST[@]+"${XDIST[@]}"} \
     --junitxml="$OUT/kernel_tests.xml"
 else
   log "pytest not found: falling back to kernels/selfcheck.py"
-  step kernel_tests 110 "$PY" kernels/selfcheck.py --out "$OUT/selfcheck.json"
+  step kernel_tests 150 "$PY" kernels/selfcheck.py --out "$OUT/selfcheck.json"
 fi
 
 step quant_decode_bench 220 "$PY" kernels/bench_quant_decode.py --out "$OUT/quant_decode.json" \
