@@ -269,6 +269,8 @@ def test_gpu_unpack_paths_agree(bits: int, fast_unpack: bool, dtype: torch.dtype
     {"num_warps": 1, "fast_unpack": False, "min_group_rows": 1, "lazy_rescale": True},
     {"num_warps": 1, "min_group_rows": 1, "lazy_rescale": True, "swapped_mma": True},
     {"num_warps": 2, "min_group_rows": 1, "lazy_rescale": True, "swapped_mma": True},
+    {"num_warps": 2, "max_registers": 128, "min_group_rows": 1, "lazy_rescale": True,
+     "swapped_mma": True},
     {"num_warps": 4, "num_stages": 3, "min_group_rows": 1, "lazy_rescale": True,
      "swapped_mma": True},
     {"num_warps": 2, "fast_unpack": False, "min_group_rows": 1, "lazy_rescale": True,
