@@ -58,7 +58,8 @@ def main() -> None:
     slow_s = f"{slow:.1f}%" if isinstance(slow, (int, float)) else "n/a"
     frac_s = f"{100 * frac:.0f}%" if isinstance(frac, (int, float)) else "n/a"
     int4_pass = isinstance(int4, dict) and int4["pct_of_copy_bw"] >= INT4_TARGET_PCT and int4["ok"]
-    overlapped = isinstance(frac, (int, float)) and frac >= MIN_OVERLAP
+    overlapped = (isinstance(frac, (int, float)) and frac >= MIN_OVERLAP
+                  and summary.get("overlap_ok") is True)
     slow_pass = overlapped and isinstance(slow, (int, float)) and slow < SLOWDOWN_LIMIT_PCT
     tests_rc = summary["steps_rc"].get("kernel_tests", "n/a")
     raw = summary.get("raw_torch_overlap_fraction")
