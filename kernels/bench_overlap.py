@@ -232,6 +232,8 @@ def main() -> None:
     launch = _launch(args, shape)
     wrapper = QuantPagedDecodeWrapper(ws, launch)
     wrapper.plan(inp.batch, inp.cache, inp.window, num_q_heads=shape.num_q_heads)
+    if cuda:  # plan() staged the metadata on the default stream; drafting runs on another
+        torch.cuda.synchronize(device)
 
     def step() -> None:
         for _ in range(args.layers):
