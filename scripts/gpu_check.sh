@@ -49,7 +49,7 @@ log "stream-relevant env: CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTI
 
 if "$PY" -c "import pytest" 2>/dev/null; then
   XDIST=()  # parallel workers overlap Triton compiles
-  "$PY" -c "import xdist" 2>/dev/null && XDIST=(-n 4)
+  "$PY" -c "import xdist" 2>/dev/null && XDIST=(-n 8)
   step kernel_tests 150 "$PY" -m pytest test/kernels -q -p no:cacheprovider -rs ${XDIST[@]+"${XDIST[@]}"} \
     --junitxml="$OUT/kernel_tests.xml"
 else
