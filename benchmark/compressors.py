@@ -271,7 +271,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--quick", action="store_true", help="smoke run: 2 short prompts, few configs")
     ap.add_argument("--shard", default=None, help="K/N: run prompts K, K+N, ... only (parallel runs); "
                     "raw rows go to .cache/compressors-shards/, combine with --merge N")
-    ap.add_argument("--merge", type=int, default=None, help="combine N finished shards into the outputs")
+    ap.add_argument("--merge", default=None, help="N (shards 0/N..N-1/N) or a list K/N,...: combine saved shards into the outputs")
     args = ap.parse_args(argv)
     if args.quick:
         args.prompts, args.min_tokens, args.max_tokens, args.horizon = 2, 300, 500, 16
@@ -405,9 +405,10 @@ def _shard_settings(args) -> dict:
 
 def _merge(args, model_name, geo, prompts, tok, rows, families, ratios, xs) -> dict:
     """Combines the raw rows of N shard runs (same settings) into the outputs."""
-    n = args.merge
+    names = [f"{k}/{args.merge}" for k in range(int(args.merge))] if "/" not in args.merge else args.merge.split(",")
     done, seconds, cpu = 0, 0.0, 0.0
-    for k in range(n):
+    for name in names:
+        k, n = name.split("/")
         shard = json.loads((SHARD_DIR / f"shard-{k}-of-{n}.json").read_text())
         done, seconds, cpu = done + shard["done"], max(seconds, shard["seconds"]), cpu + shard["cpu_seconds"]
         for (f, r), row in rows.items():
@@ -417,7 +418,7 @@ def _merge(args, model_name, geo, prompts, tok, rows, families, ratios, xs) -> d
             for x in xs:
                 row["accepted"][x].extend(got["accepted"][str(x)])
     meta = _meta(args, model_name, geo, prompts, tok, done, time.time(), time.process_time())
-    meta.update(seconds=round(seconds, 1), cpu_seconds=round(cpu, 1), shards=n)
+    meta.update(seconds=round(seconds, 1), cpu_seconds=round(cpu, 1), shards=names)
     return write_outputs(Path(args.out_dir), meta, rows, families, ratios, xs, DROPPERS, QUANTIZERS, args)
 
 
