@@ -16,6 +16,10 @@ from sglang_vericache.compress import CompressedLayerCache, Compressor, Observat
 from sglang_vericache.verify import VeriCacheStats
 
 # (layer_id, slots [n] int64) -> (keys, values), each [H_kv, n, D]: reads the device pool.
+# Newest committed tokens kept in full precision, never folded: the next drafts lean on them
+# most (with 0, a fold could thin out the tokens right before the draft; measured in
+# benchmark/README.md).
+RECENT_WINDOW = 32
 PoolReader = Callable[[int, Tensor], tuple[Tensor, Tensor]]
 
 
@@ -57,7 +61,11 @@ class RequestDraftState:
                 num_layers=num_layers,
             )
             ckv = compressor.compress(layer, keys, values, obs)
-            caches.append(CompressedLayerCache(compressor, layer, ckv, num_layers=num_layers))
+            caches.append(
+                CompressedLayerCache(
+                    compressor, layer, ckv, num_layers=num_layers, recent=RECENT_WINDOW
+                )
+            )
         return cls(layers=caches, covered=t)
 
     def views(self) -> list[tuple[Tensor, Tensor]]:
