@@ -20,12 +20,23 @@ def pool() -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
             for layer in range(LAYERS)}  # fmt: skip
 
 
-def reader(pool):
-    def read(layer: int, slots: torch.Tensor):
-        k, v = pool[layer]
-        return k[slots].transpose(0, 1), v[slots].transpose(0, 1)
+class LayerPool:
+    """The two accessors of SGLang's MHATokenToKVPool that the worker reads through."""
 
-    return read
+    def __init__(self, pool) -> None:
+        self.pool = pool
+
+    def get_key_buffer(self, layer: int) -> torch.Tensor:
+        return self.pool[layer][0]
+
+    def get_value_buffer(self, layer: int) -> torch.Tensor:
+        return self.pool[layer][1]
+
+
+def reader(pool):
+    from sglang_vericache.srt.draft_state import read_pool_kv
+
+    return lambda layer, slots: read_pool_kv(LayerPool(pool), layer, slots)
 
 
 @pytest.mark.parametrize("spec", ["kivi:bits=4", "streaming:sink=4,window=28",

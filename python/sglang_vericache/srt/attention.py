@@ -27,6 +27,8 @@ from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBack
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 from torch.nn.functional import scaled_dot_product_attention
 
+from sglang_vericache.srt.draft_state import read_pool_kv
+
 if TYPE_CHECKING:
     from sglang.srt.layers.radix_attention import RadixAttention
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch
@@ -89,9 +91,7 @@ class VeriCacheAttnBackend(TorchNativeAttnBackend):
     def _row_kv(self, layer_id: int, row: int, start: int, end: int):
         """Pool K/V of positions [start, end) of a req_to_token row, each [H_kv, n, D]."""
         slots = self.req_to_token_pool.req_to_token[row, start:end]
-        k = self.token_to_kv_pool.get_key_buffer(layer_id)[slots]
-        v = self.token_to_kv_pool.get_value_buffer(layer_id)[slots]
-        return k.transpose(0, 1), v.transpose(0, 1)
+        return read_pool_kv(self.token_to_kv_pool, layer_id, slots)
 
     def forward_extend(self, q, k, v, layer: RadixAttention, fb: ForwardBatch, save_kv_cache=True):
         if fb.forward_mode.is_target_verify():

@@ -7,7 +7,7 @@ so the state logic does not depend on SGLang's batch types.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -15,12 +15,20 @@ from torch import Tensor
 from sglang_vericache.compress import CompressedLayerCache, Compressor, Observation
 from sglang_vericache.verify import VeriCacheStats
 
-# (layer_id, slots [n] int64) -> (keys, values), each [H_kv, n, D]: reads the device pool.
 # Newest committed tokens kept in full precision, never folded: the next drafts lean on them
 # most (with 0, a fold could thin out the tokens right before the draft; measured in
 # benchmark/README.md).
 RECENT_WINDOW = 32
+
+# (layer_id, slots [n] int64) -> (keys, values), each [H_kv, n, D]: reads the device pool.
 PoolReader = Callable[[int, Tensor], tuple[Tensor, Tensor]]
+
+
+def read_pool_kv(pool: Any, layer_id: int, slots: Tensor) -> tuple[Tensor, Tensor]:
+    """K and V of ``slots`` ([n] integer) from an SGLang token-to-KV pool: each [H_kv, n, D]."""
+    keys = pool.get_key_buffer(layer_id)[slots]
+    values = pool.get_value_buffer(layer_id)[slots]
+    return keys.transpose(0, 1), values.transpose(0, 1)
 
 
 @dataclass(slots=True)

@@ -29,7 +29,7 @@ from sglang.srt.speculative.ngram_info import NgramVerifyInput
 
 from sglang_vericache.compress import Full, build_compressor
 from sglang_vericache.srt.attention import DraftViews, QueryCapture, VeriCacheAttnBackend
-from sglang_vericache.srt.draft_state import RequestDraftState
+from sglang_vericache.srt.draft_state import RequestDraftState, read_pool_kv
 from sglang_vericache.srt.patches import META_INFO_KEY
 from sglang_vericache.srt.plugin import vericache_config
 from sglang_vericache.verify import VeriCacheStats, VerifyRecord, greedy_accept
@@ -88,10 +88,7 @@ class VeriCacheWorker(BaseSpecWorker):
     # -- pool access -------------------------------------------------------------------------
 
     def _read_pool(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        pool = self.model_runner.token_to_kv_pool
-        k = pool.get_key_buffer(layer)[slots].transpose(0, 1)
-        v = pool.get_value_buffer(layer)[slots].transpose(0, 1)
-        return k, v
+        return read_pool_kv(self.model_runner.token_to_kv_pool, layer, slots)
 
     def _row_slots(self, row: int, start: int, end: int) -> torch.Tensor:
         """Pool slots of positions [start, end) of req_to_token row ``row``: [n] int64."""
