@@ -11,6 +11,8 @@ CPU defaults (applied only where the user left the flag unset):
   CPU is 3-4x slower and not batch-invariant (so greedy outputs would depend on batching).
 - ``--mem-fraction-static`` 0.2: on CPU the fraction is of host RAM, and the GPU default would
   pin most of the machine's memory for the KV pool.
+- ``--sleep-on-idle``: an idle scheduler otherwise spins on its sockets at 100% of a core, which
+  on a CPU machine is a core taken from every other server's forward passes.
 """
 
 from __future__ import annotations
@@ -65,6 +67,8 @@ class TorchCpuPlatform(CpuSRTPlatform):
             server_args.dtype = "float32"
         if server_args.mem_fraction_static is None:
             server_args.mem_fraction_static = CPU_MEM_FRACTION_STATIC
+        if not server_args.sleep_on_idle:
+            server_args.sleep_on_idle = True
 
 
 def activate() -> str | None:
