@@ -24,6 +24,19 @@ def _check_common(obj: TokenDropper, ratio: float | None = None) -> None:
         raise ValueError(f"{obj.name}: sink and window must be >= 0")
 
 
+class RatioDropper(TokenDropper):
+    """A dropper that keeps a ``ratio`` of the tokens (its subclasses declare ``ratio``)."""
+
+    __slots__ = ()
+    ratio: float
+
+    def __post_init__(self) -> None:
+        _check_common(self, self.ratio)
+
+    def budget(self, layer_id: int, num_tokens: int, obs: Observation) -> int:
+        return keep_count(self.ratio, num_tokens)
+
+
 @dataclass(frozen=True, slots=True)
 class StreamingLLM(TokenDropper):
     """Attention sinks + a recent window; everything in between is dropped. Needs no observation.
@@ -49,7 +62,7 @@ class StreamingLLM(TokenDropper):
 
 
 @dataclass(frozen=True, slots=True)
-class SnapKV(TokenDropper):
+class SnapKV(RatioDropper):
     """Keeps the tokens the last W queries attend to most (pooled), plus the recent window.
 
     Needs Observation.queries (the observation window). ratio: kept fraction of tokens;
@@ -64,19 +77,16 @@ class SnapKV(TokenDropper):
     shared: bool = False
 
     def __post_init__(self) -> None:
-        _check_common(self, self.ratio)
+        RatioDropper.__post_init__(self)  # no zero-arg super() in slots dataclasses
         if self.pool < 1 or self.pool % 2 == 0:
             raise ValueError(f"snapkv: pool must be an odd integer >= 1, got {self.pool}")
-
-    def budget(self, layer_id: int, num_tokens: int, obs: Observation) -> int:
-        return keep_count(self.ratio, num_tokens)
 
     def score(self, layer_id: int, keys: Tensor, values: Tensor, positions: Tensor, obs: Observation) -> Tensor:
         return pool_scores(observed_attention(keys, positions, obs, "snapkv"), self.pool)
 
 
 @dataclass(frozen=True, slots=True)
-class H2O(TokenDropper):
+class H2O(RatioDropper):
     """Heavy hitters: keeps the tokens with the largest accumulated attention, plus a recent window.
 
     Uses Observation.attention [H_kv, T] when it covers the candidates (prefill); otherwise (decode
@@ -88,12 +98,6 @@ class H2O(TokenDropper):
     window: int = 32
     sink: int = 0
     shared: bool = False
-
-    def __post_init__(self) -> None:
-        _check_common(self, self.ratio)
-
-    def budget(self, layer_id: int, num_tokens: int, obs: Observation) -> int:
-        return keep_count(self.ratio, num_tokens)
 
     def score(self, layer_id: int, keys: Tensor, values: Tensor, positions: Tensor, obs: Observation) -> Tensor:
         if obs.attention is not None and obs.attention.shape == positions.shape:
@@ -107,7 +111,7 @@ class H2O(TokenDropper):
 
 
 @dataclass(frozen=True, slots=True)
-class Knorm(TokenDropper):
+class Knorm(RatioDropper):
     """Keeps the keys with the smallest L2 norm (low-norm keys draw attention). Needs no observation."""
 
     name: ClassVar[str] = "knorm"
@@ -115,12 +119,6 @@ class Knorm(TokenDropper):
     window: int = 32
     sink: int = 4
     shared: bool = False
-
-    def __post_init__(self) -> None:
-        _check_common(self, self.ratio)
-
-    def budget(self, layer_id: int, num_tokens: int, obs: Observation) -> int:
-        return keep_count(self.ratio, num_tokens)
 
     def score(self, layer_id: int, keys: Tensor, values: Tensor, positions: Tensor, obs: Observation) -> Tensor:
         return -keys.float().norm(dim=-1)
