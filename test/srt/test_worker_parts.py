@@ -34,9 +34,15 @@ class LayerPool:
 
 
 def reader(pool):
-    from sglang_vericache.srt.draft_state import read_pool_kv
+    from sglang_vericache.srt.offload import read_pool_kv
 
     return lambda layer, slots: read_pool_kv(LayerPool(pool), layer, slots)
+
+
+def layer_reader(pool, slots):
+    """layer -> full (K, V) of ``slots``, as the worker reads a row's committed prefix."""
+    read = reader(pool)
+    return lambda layer: read(layer, slots)
 
 
 @pytest.mark.parametrize("spec", ["kivi:bits=4", "streaming:sink=4,window=28",
@@ -46,7 +52,8 @@ def test_state_builds_grows_and_stays_in_step(pool, spec: str) -> None:
 
     slots = torch.randperm(200)[:T]
     queries = [torch.randn(H_Q, 8, D) for _ in range(LAYERS)]
-    state = RequestDraftState.build(build_compressor(spec), reader(pool), slots, queries, LAYERS)
+    state = RequestDraftState.build(build_compressor(spec), layer_reader(pool, slots), T, queries,
+                                    LAYERS)  # fmt: skip
     state.check_integrity()
     assert state.covered == T
     full_bytes = LAYERS * 2 * T * H_KV * D * 4
@@ -67,7 +74,7 @@ def test_identity_compressor_view_is_the_full_kv(pool) -> None:
     from sglang_vericache.srt.draft_state import RequestDraftState
 
     slots = torch.arange(T)
-    state = RequestDraftState.build(build_compressor("full"), reader(pool), slots,
+    state = RequestDraftState.build(build_compressor("full"), layer_reader(pool, slots), T,
                                     [None] * LAYERS, LAYERS)  # fmt: skip
     k, v = state.views()[1]
     assert torch.equal(k, pool[1][0][slots].transpose(0, 1))
@@ -95,14 +102,14 @@ def _req(**sampling):
     ],
 )
 def test_only_plain_greedy_requests_are_drafted(sampling: dict, reason: str | None) -> None:
-    from sglang_vericache.srt.worker import plain_reason
+    from sglang_vericache.srt.eligibility import plain_reason
 
     got = plain_reason(_req(**sampling))
     assert (got is None) if reason is None else (reason in got)
 
 
 def test_logprob_requests_are_decoded_plainly() -> None:
-    from sglang_vericache.srt.worker import plain_reason
+    from sglang_vericache.srt.eligibility import plain_reason
 
     req = _req(temperature=0)
     req.return_logprob = True

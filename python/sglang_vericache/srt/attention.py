@@ -12,9 +12,13 @@ Three forward kinds reach it (``AttentionBackend.forward`` dispatches DECODE to
       positions   0 ............. base-1 | base ... seq_len-1
       keys        compressed view (kept / | pool slots written by this
                   dequantized tokens)     | step's draft forwards
-- TARGET_VERIFY: the draft is checked against the full KV in the pool with one masked SDPA per
-  request over [0, base + D). Stock torch_native's extend would run a query for every prefix
-  position (O(L^2): 16 s for one verify at 8k); this is O(D * L).
+- TARGET_VERIFY: the draft is checked against the full KV with one masked SDPA per request over
+  [0, base + D). Stock torch_native's extend would run a query for every prefix position
+  (O(L^2): 16 s for one verify at 8k); this is O(D * L).
+
+The full KV of a request is read through the offload ledger (``srt/offload.py``): positions the
+worker moved to host memory come from there, the rest from the pool. Plain DECODE steps over a
+batch with offloaded rows take the same per-request path.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBack
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 from torch.nn.functional import scaled_dot_product_attention
 
-from sglang_vericache.srt.draft_state import read_pool_kv
+from sglang_vericache.srt.offload import ledger_for, read_pool_kv
 
 if TYPE_CHECKING:
     from sglang.srt.layers.radix_attention import RadixAttention
@@ -81,6 +85,7 @@ class VeriCacheAttnBackend(TorchNativeAttnBackend):
         super().__init__(model_runner)
         self.draft: DraftViews | None = None
         self.capture: QueryCapture | None = None
+        self.ledger = ledger_for(self.req_to_token_pool)
 
     def _write_kv(self, layer, fb, k, v, save_kv_cache: bool) -> None:
         if save_kv_cache and k is not None and v is not None:
@@ -92,6 +97,11 @@ class VeriCacheAttnBackend(TorchNativeAttnBackend):
         """Pool K/V of positions [start, end) of a req_to_token row, each [H_kv, n, D]."""
         slots = self.req_to_token_pool.req_to_token[row, start:end]
         return read_pool_kv(self.token_to_kv_pool, layer_id, slots)
+
+    def _full_kv(self, layer_id: int, row: int, end: int):
+        """Exact K/V of positions [0, end) of a row (host-offloaded ranges included)."""
+        table = self.req_to_token_pool.req_to_token
+        return self.ledger.read(self.token_to_kv_pool, table, layer_id, row, end)
 
     def forward_extend(self, q, k, v, layer: RadixAttention, fb: ForwardBatch, save_kv_cache=True):
         if fb.forward_mode.is_target_verify():
@@ -112,7 +122,7 @@ class VeriCacheAttnBackend(TorchNativeAttnBackend):
         gqa = layer.tp_q_head_num != layer.tp_k_head_num
         for i, base in enumerate(fb.seq_lens_cpu.tolist()):
             row = int(fb.req_pool_indices[i])
-            keys, values = self._row_kv(layer.layer_id, row, 0, base + n_tok)
+            keys, values = self._full_kv(layer.layer_id, row, base + n_tok)
             qi = q3[i * n_tok : (i + 1) * n_tok].transpose(0, 1)  # [H_q, D_tok, D]
             q_pos = torch.arange(base, base + n_tok, device=q.device)[:, None]
             mask = torch.arange(base + n_tok, device=q.device)[None, :] <= q_pos
@@ -124,18 +134,20 @@ class VeriCacheAttnBackend(TorchNativeAttnBackend):
         return out.view(-1, layer.tp_q_head_num * layer.v_head_dim)
 
     def forward_decode(self, q, k, v, layer: RadixAttention, fb: ForwardBatch, save_kv_cache=True):
-        if self.draft is None:
+        rows = fb.req_pool_indices.tolist()
+        if self.draft is None and not any(self.ledger.span(r) is not None for r in rows):
             return super().forward_decode(q, k, v, layer, fb, save_kv_cache)
         self._write_kv(layer, fb, k, v, save_kv_cache)
         q3 = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
         out = q.new_empty((q3.shape[0], layer.tp_q_head_num, layer.v_head_dim))
         gqa = layer.tp_q_head_num != layer.tp_k_head_num
         for i, seq_len in enumerate(fb.seq_lens_cpu.tolist()):
-            row = int(fb.req_pool_indices[i])
-            view = self.draft.views[i]
-            base = self.draft.base_lens[i] if view is not None else 0
-            keys, values = self._row_kv(layer.layer_id, row, base, seq_len)
-            if view is not None:
+            row = rows[i]
+            view = None if self.draft is None else self.draft.views[i]
+            if view is None:  # full-KV decode of this row
+                keys, values = self._full_kv(layer.layer_id, row, seq_len)
+            else:
+                keys, values = self._row_kv(layer.layer_id, row, self.draft.base_lens[i], seq_len)
                 vk, vv = view[layer.layer_id]
                 keys, values = torch.cat([vk, keys], dim=1), torch.cat([vv, values], dim=1)
             qi = q3[i : i + 1].transpose(0, 1)  # [H_q, 1, D]

@@ -7,7 +7,7 @@ so the state logic does not depend on SGLang's batch types.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -23,12 +23,8 @@ RECENT_WINDOW = 32
 # (layer_id, slots [n] int64) -> (keys, values), each [H_kv, n, D]: reads the device pool.
 PoolReader = Callable[[int, Tensor], tuple[Tensor, Tensor]]
 
-
-def read_pool_kv(pool: Any, layer_id: int, slots: Tensor) -> tuple[Tensor, Tensor]:
-    """K and V of ``slots`` ([n] integer) from an SGLang token-to-KV pool: each [H_kv, n, D]."""
-    keys = pool.get_key_buffer(layer_id)[slots]
-    values = pool.get_value_buffer(layer_id)[slots]
-    return keys.transpose(0, 1), values.transpose(0, 1)
+# layer_id -> (keys, values), each [H_kv, T, D]: the full KV of a request's committed prefix.
+LayerReader = Callable[[int], tuple[Tensor, Tensor]]
 
 
 @dataclass(slots=True)
@@ -49,19 +45,20 @@ class RequestDraftState:
     def build(
         cls,
         compressor: Compressor,
-        read: PoolReader,
-        slots: Tensor,
+        read: LayerReader,
+        length: int,
         queries: Sequence[Tensor | None],
         num_layers: int,
     ) -> "RequestDraftState":
-        """Compress the full KV at ``slots`` ([T] int64, positions 0..T-1) layer by layer.
+        """Compress the full KV of positions 0..length-1 (``read(layer)``) layer by layer.
 
         queries[layer]: [H_q, W, D] post-RoPE queries of the last W prompt tokens, or None.
         """
-        t = slots.numel()
+        t = length
         caches = []
         for layer in range(num_layers):
-            keys, values = read(layer, slots)
+            keys, values = read(layer)
+            assert keys.shape[1] == t, f"layer {layer}: {keys.shape[1]} tokens, expected {t}"
             q = queries[layer]
             obs = Observation(
                 queries=q,

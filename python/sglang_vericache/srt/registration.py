@@ -1,4 +1,5 @@
-"""Registration of the VERICACHE speculative algorithm and the ``vericache`` attention backend.
+"""Registration of the VERICACHE speculative algorithm and the ``vericache`` attention backend
+and prefix cache.
 
 Kept apart from the worker and the backend so that registering (which runs in every SGLang
 process) stays cheap: those modules, and the model-runner machinery they import, load only in
@@ -69,3 +70,20 @@ def register_backend() -> None:
         add_attention_backend_choices([BACKEND_NAME])
     if BACKEND_NAME not in ATTENTION_BACKENDS:
         register_attention_backend(BACKEND_NAME)(_attention_backend)
+
+
+def _radix_cache(ctx: Any) -> Any:
+    from sglang_vericache.srt.radix_cache import build_vericache_radix_cache
+
+    return build_vericache_radix_cache(ctx)
+
+
+def register_radix_cache() -> None:
+    """Register ``--radix-cache-backend vericache`` (idempotent)."""
+    from sglang.srt.mem_cache.registry import (
+        register_radix_cache_backend,
+        registered_radix_cache_backends,
+    )
+
+    if BACKEND_NAME not in registered_radix_cache_backends():
+        register_radix_cache_backend(BACKEND_NAME, _radix_cache)

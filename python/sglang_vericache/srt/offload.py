@@ -1,0 +1,181 @@
+"""The VeriCache memory layout: full KV of a drafted request in host memory, not in the pool.
+
+After prefill (and every ``TAIL_CHUNK`` committed tokens after that) the worker moves the full
+KV of a request's own positions to a host buffer and gives their pool slots back; the row keeps a
+placeholder there. What stays in the device pool per request::
+
+    row positions  0 ........ lo | lo ............ hi | hi ...... base | base .. base+x
+    pool slots     tree-owned    | placeholder (0)    | committed tail | this step's
+                   shared prefix | full KV -> host    | (< TAIL_CHUNK) | draft/verify slots
+    plus           ceil(compressed bytes / slot bytes) reserved slots: the compressed cache's
+                   share of the pool, so admission sees what VeriCache really holds
+
+Attention reads [lo, hi) from the host buffer (``OffloadLedger.read``): for verification and for
+a plain decode step, never for drafting (drafts read the compressed view). Freed slots go back
+to SGLang's allocator at once, so the scheduler admits more requests into the same budget.
+
+Ownership: the ledger is shared by the worker (which offloads) and the ``vericache`` prefix
+cache (which restores or drops a row when SGLang releases it); both find it through the
+request-to-token pool they share (``ledger_for``). Everything runs on the scheduler thread.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+# Committed tokens collected in the pool before they move to the host (amortises the copy).
+TAIL_CHUNK = 32
+
+# Row entries of offloaded positions point here. SGLang never hands out slot 0 (it takes the
+# padding writes), and attention never reads these entries: the ledger serves the range.
+PLACEHOLDER_SLOT = 0
+
+_LEDGER_ATTR = "_vericache_offload_ledger"
+
+
+class HostKV:
+    """A growable host buffer of one request's full KV: [L, 2, H_kv, capacity, D].
+
+    Pinned when CUDA is present, so verification copies overlap with compute.
+    """
+
+    def __init__(self, num_layers: int, heads: int, head_dim: int, dtype: torch.dtype) -> None:
+        self._shape = (num_layers, 2, heads)
+        self._head_dim, self._dtype = head_dim, dtype
+        self._buf = self._alloc(0)
+        self.length = 0
+
+    def _alloc(self, capacity: int) -> Tensor:
+        pin = torch.cuda.is_available()
+        return torch.empty(
+            (*self._shape, capacity, self._head_dim), dtype=self._dtype, pin_memory=pin
+        )
+
+    def append(self, kv: Tensor) -> None:
+        """kv: [L, 2, H_kv, n, D] in the pool dtype (any device), appended after ``length``."""
+        n = kv.shape[3]
+        if self.length + n > self._buf.shape[3]:
+            grown = self._alloc(max(2 * self._buf.shape[3], self.length + n))
+            grown[..., : self.length, :] = self._buf[..., : self.length, :]
+            self._buf = grown
+        self._buf[..., self.length : self.length + n, :].copy_(kv)
+        self.length += n
+
+    def layer(self, layer: int, start: int, end: int) -> tuple[Tensor, Tensor]:
+        """Host K and V of buffered tokens [start, end) of one layer: each [H_kv, n, D]."""
+        return self._buf[layer, 0, :, start:end], self._buf[layer, 1, :, start:end]
+
+    def restore(self) -> Tensor:
+        """All buffered tokens: [L, 2, H_kv, length, D] (a view)."""
+        return self._buf[..., : self.length, :]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of KV held (not capacity)."""
+        return self.restore().nbytes
+
+
+@dataclass(slots=True)
+class OffloadedRow:
+    """Positions [lo, hi) of one pool row live in ``host``; ``reserved`` are held pool slots."""
+
+    lo: int
+    host: HostKV
+    reserved: Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
+
+    @property
+    def hi(self) -> int:
+        return self.lo + self.host.length
+
+
+class OffloadLedger:
+    """Which pool rows have offloaded ranges, and the slots held for their compressed KV.
+
+    Mutated by the worker (``offload``, ``reserve``) and by the prefix cache (``release``) on the
+    scheduler thread only; readers (the attention backend) use ``read`` during forwards.
+    """
+
+    def __init__(self) -> None:
+        self.rows: dict[int, OffloadedRow] = {}
+
+    def span(self, row: int) -> OffloadedRow | None:
+        return self.rows.get(row)
+
+    def offload(self, row: int, lo: int, kv: Tensor) -> OffloadedRow:
+        """Record kv ([L, 2, H_kv, n, D]) as positions [lo, lo+n) of ``row``, or append it.
+
+        A row already offloaded must continue exactly at its ``hi``.
+        """
+        entry = self.rows.get(row)
+        if entry is None:
+            entry = OffloadedRow(lo=lo, host=HostKV(kv.shape[0], kv.shape[2], kv.shape[4],
+                                                   kv.dtype))  # fmt: skip
+            self.rows[row] = entry
+        elif entry.hi != lo:
+            raise ValueError(f"row {row}: offload at {lo} but its host range ends at {entry.hi}")
+        entry.host.append(kv)
+        return entry
+
+    def release(self, row: int) -> OffloadedRow | None:
+        """Forget ``row`` (its request left the pool); the caller frees ``reserved``."""
+        return self.rows.pop(row, None)
+
+    def reserved_slots(self) -> int:
+        return sum(int(e.reserved.numel()) for e in self.rows.values())
+
+    def read(self, pool: Any, table: Tensor, layer: int, row: int, end: int
+             ) -> tuple[Tensor, Tensor]:  # fmt: skip
+        """Full K and V of positions [0, end) of ``row``, each [H_kv, end, D] on the pool device.
+
+        pool: SGLang token-to-KV pool; table: req_to_token [rows, max_len] int32.
+        """
+        entry = self.rows.get(row)
+        if entry is None or entry.lo >= end:
+            return read_pool_kv(pool, layer, table[row, :end])
+        hi = min(entry.hi, end)
+        device = table.device
+        pk, pv = read_pool_kv(pool, layer, table[row, : entry.lo])
+        hk, hv = entry.host.layer(layer, 0, hi - entry.lo)
+        tk, tv = read_pool_kv(pool, layer, table[row, hi:end])
+        keys = torch.cat([pk, hk.to(device, non_blocking=True), tk], dim=1)
+        values = torch.cat([pv, hv.to(device, non_blocking=True), tv], dim=1)
+        return keys, values
+
+    def check_integrity(self, table: Tensor | None = None) -> None:
+        """Ranges are non-empty; with ``table``, offloaded entries hold the placeholder."""
+        for row, entry in self.rows.items():
+            assert entry.lo >= 0 and entry.host.length > 0, f"row {row}: empty offload"
+            if table is not None:
+                slots = table[row, entry.lo : entry.hi]
+                assert bool((slots == PLACEHOLDER_SLOT).all()), f"row {row}: live slot offloaded"
+
+
+def read_pool_kv(pool: Any, layer_id: int, slots: Tensor) -> tuple[Tensor, Tensor]:
+    """K and V of ``slots`` ([n] integer) from an SGLang token-to-KV pool: each [H_kv, n, D]."""
+    keys = pool.get_key_buffer(layer_id)[slots]
+    values = pool.get_value_buffer(layer_id)[slots]
+    return keys.transpose(0, 1), values.transpose(0, 1)
+
+
+def read_pool_all_layers(pool: Any, slots: Tensor, num_layers: int) -> Tensor:
+    """Full KV of ``slots`` ([n]) from every layer: [L, 2, H_kv, n, D]."""
+    return torch.stack([torch.stack(read_pool_kv(pool, layer, slots)) for layer in range(num_layers)])
+
+
+def ledger_for(req_to_token_pool: Any) -> OffloadLedger:
+    """The ledger shared by everything that uses ``req_to_token_pool`` (created on first use)."""
+    ledger = getattr(req_to_token_pool, _LEDGER_ATTR, None)
+    if ledger is None:
+        ledger = OffloadLedger()
+        setattr(req_to_token_pool, _LEDGER_ATTR, ledger)
+    return ledger
+
+
+def slot_bytes(pool: Any, num_layers: int) -> int:
+    """Bytes of full KV one pool slot holds across all layers (keys + values)."""
+    k, v = pool.get_key_buffer(0), pool.get_value_buffer(0)
+    return num_layers * (k[0].nbytes + v[0].nbytes)

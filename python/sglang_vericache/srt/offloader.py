@@ -1,0 +1,145 @@
+"""Moves committed full KV between SGLang's pool and the host ledger (layout: ``offload.py``).
+
+The worker calls ``offload`` after a request's prefill and after each commit; the ``vericache``
+prefix cache calls ``restore`` / ``drop`` when SGLang releases the request's row. All slot
+arithmetic is page-aligned, so paged allocators free whole pages::
+
+    page_size = 4, tree-owned prefix 6, committed 23:
+    positions   0   4   8  12  16  20  23
+                |...|.:.|...|...|...|..|
+    lo = ceil(6/4)*4 = 8 ; hi = floor(23/4)*4 = 20 -> [8, 20) moves, 6..7 and 20..22 stay
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import Tensor
+
+from sglang_vericache.srt.offload import (
+    PLACEHOLDER_SLOT,
+    TAIL_CHUNK,
+    OffloadLedger,
+    ledger_for,
+    read_pool_all_layers,
+    slot_bytes,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class OffloadResult:
+    """What one ``offload`` call did: tokens moved to the host, slots freed and held."""
+
+    moved: int = 0
+    freed: int = 0
+    reserved: int = 0
+
+
+class PoolOffloader:
+    """Offload / restore / drop rows of one SGLang pool (see module doc).
+
+    pool: token-to-KV pool (``get_key_buffer(layer)`` [slots, H_kv, D]); table: req_to_token
+    [rows, max_len] int32; allocator: SGLang token allocator (``alloc``/``free``/``page_size``).
+    """
+
+    def __init__(self, pool: Any, req_to_token_pool: Any, allocator: Any, num_layers: int):
+        self.pool, self.allocator, self.num_layers = pool, allocator, num_layers
+        self.table: Tensor = req_to_token_pool.req_to_token
+        self.ledger: OffloadLedger = ledger_for(req_to_token_pool)
+        self.page = int(getattr(allocator, "page_size", 1))
+        self.slot_bytes = slot_bytes(pool, num_layers)
+        self.reserve_shortfall = 0  # slots the compressed KV needed but the pool lacked
+
+    def layer_reader(self, row: int, end: int) -> Callable[[int], tuple[Tensor, Tensor]]:
+        """layer -> exact (K, V) of positions [0, end) of ``row``, each [H_kv, end, D]."""
+        return lambda layer: self.ledger.read(self.pool, self.table, layer, row, end)
+
+    def offload(self, row: int, owned_from: int, committed: int, compressed_bytes: int,
+                min_tokens: int = TAIL_CHUNK) -> OffloadResult:  # fmt: skip
+        """Move positions [lo, floor_page(committed)) of ``row`` to the host.
+
+        owned_from: first position the request owns (tree-owned positions before it stay);
+        lo continues the row's host range. Moves nothing unless at least ``min_tokens`` are
+        due. Then tops the row's reserved slots up to ``ceil(compressed_bytes / slot_bytes)``.
+        """
+        entry = self.ledger.span(row)
+        lo = entry.hi if entry is not None else -(-owned_from // self.page) * self.page
+        hi = committed // self.page * self.page
+        if hi - lo < max(min_tokens, 1):
+            return OffloadResult()
+        slots = self.table[row, lo:hi].to(torch.int64)
+        entry = self.ledger.offload(row, lo, read_pool_all_layers(self.pool, slots, self.num_layers))
+        self.table[row, lo:hi] = PLACEHOLDER_SLOT
+        self.allocator.free(slots)
+        held = self._reserve(entry, compressed_bytes)
+        return OffloadResult(moved=hi - lo, freed=hi - lo, reserved=held)
+
+    def _reserve(self, entry: Any, compressed_bytes: int) -> int:
+        """Hold pool slots worth ``compressed_bytes`` for the row (its share of the budget)."""
+        need = math.ceil(compressed_bytes / self.slot_bytes / self.page) * self.page
+        extra = need - int(entry.reserved.numel())
+        if extra <= 0:
+            return 0
+        got = self.allocator.alloc(extra)
+        if got is None:
+            self.reserve_shortfall += extra
+            logger.warning("pool full: %d slots of compressed KV unaccounted", extra)
+            return 0
+        entry.reserved = torch.cat([entry.reserved.to(got.device), got.to(torch.int64)])
+        return extra
+
+    def restore(self, row: int, evict: Callable[[int], None]) -> bool:
+        """Bring ``row``'s host range back into fresh pool slots (for the prefix cache).
+
+        Frees the row's reserved slots first; ``evict(n)`` may free cached slots. Returns False
+        (row unchanged, still offloaded) when the pool cannot take it.
+        """
+        entry = self.ledger.span(row)
+        if entry is None:
+            return True
+        self._free_reserved(entry)
+        n = entry.hi - entry.lo
+        slots = self.allocator.alloc(n)
+        if slots is None:
+            evict(n)
+            slots = self.allocator.alloc(n)
+        if slots is None:
+            return False
+        kv = entry.host.restore()
+        slots = slots.to(torch.int64)
+        for layer in range(self.num_layers):
+            device = self.pool.get_key_buffer(layer).device
+            self.pool.get_key_buffer(layer)[slots] = kv[layer, 0].transpose(0, 1).to(device)
+            self.pool.get_value_buffer(layer)[slots] = kv[layer, 1].transpose(0, 1).to(device)
+        self.table[row, entry.lo : entry.hi] = slots.to(self.table.dtype)
+        self.ledger.release(row)
+        return True
+
+    def drop(self, row: int) -> None:
+        """Forget ``row``'s host range and free its reserved slots (its request is gone)."""
+        entry = self.ledger.release(row)
+        if entry is not None:
+            self._free_reserved(entry)
+
+    def _free_reserved(self, entry: Any) -> None:
+        if entry.reserved.numel():
+            self.allocator.free(entry.reserved)
+            entry.reserved = entry.reserved[:0]
+
+    def owned_ranges(self, row: int, ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """``ranges`` of row positions minus the row's offloaded range (no slots there)."""
+        entry = self.ledger.span(row)
+        if entry is None:
+            return ranges
+        out = []
+        for start, end in ranges:
+            for a, b in ((start, min(end, entry.lo)), (max(start, entry.hi), end)):
+                if a < b:
+                    out.append((a, b))
+        return out

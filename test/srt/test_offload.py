@@ -1,0 +1,103 @@
+"""The memory layout on SGLang's real pool and allocator: offload, read back, restore, drop."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.sglang
+
+SLOTS, H_KV, D, LAYERS, ROWS, MAX_LEN = 256, 2, 8, 3, 4, 200
+
+
+def _pools(page_size: int):
+    from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+    from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+
+    kv = MHATokenToKVPool(SLOTS, page_size, torch.float32, H_KV, D, LAYERS, "cpu", False)
+    for layer in range(LAYERS):  # distinct contents per slot and layer
+        kv.get_key_buffer(layer).copy_(torch.randn_like(kv.get_key_buffer(layer)))
+        kv.get_value_buffer(layer).copy_(torch.randn_like(kv.get_value_buffer(layer)))
+    rows = ReqToTokenPool(ROWS, MAX_LEN, "cpu", False)
+    if page_size == 1:
+        alloc = TokenToKVPoolAllocator(SLOTS, torch.float32, "cpu", kv, False)
+    else:
+        alloc = PagedTokenToKVPoolAllocator(SLOTS, page_size, torch.float32, "cpu", kv, False)
+    return kv, rows, alloc
+
+
+def _fill_row(rows, alloc, row: int, n: int) -> torch.Tensor:
+    slots = alloc.alloc(n)
+    rows.req_to_token[row, :n] = slots.to(torch.int32)
+    return slots
+
+
+def _full_kv(offloader, row: int, end: int) -> list[torch.Tensor]:
+    read = offloader.layer_reader(row, end)
+    return [torch.stack(read(layer)) for layer in range(LAYERS)]
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_offload_frees_slots_and_reads_back_exactly(page_size: int) -> None:
+    from sglang_vericache.srt.offload import PLACEHOLDER_SLOT
+    from sglang_vericache.srt.offloader import PoolOffloader
+
+    kv, rows, alloc = _pools(page_size)
+    off = PoolOffloader(kv, rows, alloc, LAYERS)
+    _fill_row(rows, alloc, 1, 120)
+    before = _full_kv(off, 1, 120)
+    free0 = alloc.available_size()
+    compressed = 30 * off.slot_bytes  # as if a 4x compressor kept 30 slots' worth
+    result = off.offload(1, owned_from=6, committed=103, compressed_bytes=compressed)
+    lo, hi = (8, 100) if page_size == 4 else (6, 103)
+    assert (result.moved, off.ledger.span(1).lo, off.ledger.span(1).hi) == (hi - lo, lo, hi)
+    assert alloc.available_size() == free0 + (hi - lo) - result.reserved
+    assert result.reserved >= 30 and result.reserved % page_size == 0
+    off.ledger.check_integrity(rows.req_to_token)
+    assert bool((rows.req_to_token[1, lo:hi] == PLACEHOLDER_SLOT).all())
+    for a, b in zip(before, _full_kv(off, 1, 120)):
+        assert torch.equal(a, b)  # exact: the host copy is the pool's bytes
+    # the tail continues the host range; too little tail moves nothing
+    assert off.offload(1, 6, 110, compressed).moved == 0
+    assert off.offload(1, 6, 120, compressed, min_tokens=8).moved == (120 - hi) // page_size * page_size
+    for a, b in zip(before, _full_kv(off, 1, 120)):
+        assert torch.equal(a, b)
+
+
+def test_restore_and_drop_give_every_slot_back() -> None:
+    from sglang_vericache.srt.offloader import PoolOffloader
+
+    kv, rows, alloc = _pools(1)
+    off = PoolOffloader(kv, rows, alloc, LAYERS)
+    total = alloc.available_size()
+    a_slots, b_slots = _fill_row(rows, alloc, 0, 90), _fill_row(rows, alloc, 2, 70)
+    before = _full_kv(off, 0, 90)
+    off.offload(0, 0, 90, 20 * off.slot_bytes)
+    off.offload(2, 0, 70, 20 * off.slot_bytes)
+    assert off.owned_ranges(0, [(0, 95)]) == [(90, 95)]
+    assert off.restore(0, evict=lambda n: None)
+    assert off.ledger.span(0) is None
+    for a, b in zip(before, _full_kv(off, 0, 90)):
+        assert torch.equal(a, b)  # restored into fresh slots, same KV
+    assert off.owned_ranges(0, [(0, 95)]) == [(0, 95)]
+    alloc.free(rows.req_to_token[0, :90].to(torch.int64))
+    off.drop(2)
+    assert alloc.available_size() == total  # nothing leaked: reserved slots came back too
+    del a_slots, b_slots
+
+
+def test_restore_fails_cleanly_when_the_pool_is_full() -> None:
+    from sglang_vericache.srt.offloader import PoolOffloader
+
+    kv, rows, alloc = _pools(1)
+    off = PoolOffloader(kv, rows, alloc, LAYERS)
+    _fill_row(rows, alloc, 0, 100)
+    off.offload(0, 0, 100, off.slot_bytes)
+    hog = alloc.alloc(alloc.available_size())  # another request takes everything
+    evicted = []
+    assert not off.restore(0, evict=evicted.append)
+    assert evicted == [100] and off.ledger.span(0) is not None  # still readable, still offloaded
+    alloc.free(hog)
+    off.drop(0)
+    assert alloc.available_size() == SLOTS
