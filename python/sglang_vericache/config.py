@@ -31,7 +31,7 @@ class VeriCacheConfigError(ValueError):
 
     def __init__(self, flag: str, message: str) -> None:
         super().__init__(f"{flag}: {message}")
-        self.flag = flag
+        self.flag, self.reason = flag, message
 
 
 class TierKind(enum.Enum):
