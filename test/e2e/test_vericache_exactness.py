@@ -106,6 +106,18 @@ def test_default_compressor_is_identical_and_accepts_long_drafts(
     assert stats["mean_accept_len"] > 2.0
 
 
+def test_prompt_kv_leaves_the_pool(kivi_server, prompts) -> None:
+    """The memory layout: a new prompt's full KV moves to host memory after prefill; the pool
+    keeps slots for its compressed KV only (int4 of fp32: about 1/7 of the bytes)."""
+    fresh = "Summarize the following.\n" + prompts[2].text  # no cached prefix: all of it is owned
+    out = http_json(kivi_server.url + "/generate", {
+        "text": fresh, "sampling_params": {"temperature": 0, "max_new_tokens": 8},
+    })  # fmt: skip
+    stats = out["meta_info"]["vericache"]
+    assert stats["host_kv_tokens"] >= out["meta_info"]["prompt_tokens"] - 32, stats
+    assert 0 < stats["reserved_slots"] <= stats["host_kv_tokens"] // 3, stats
+
+
 def _stream_chat(url: str, content: str) -> str:
     body = {"model": "default", "messages": [{"role": "user", "content": content}],
             "temperature": 0, "max_tokens": 40, "stream": True}  # fmt: skip

@@ -77,6 +77,7 @@ def test_help_shows_the_vericache_group() -> None:
         (["--vericache-compressor", "nonsense"], ["--vericache-compressor", "streaming", "kivi"]),
         (["--vericache-tier", "disk"], ["--vericache-tier", "zmq://HOST:PORT"]),
         (["--vericache-draft-len", "0"], ["--vericache-draft-len", "auto"]),
+        (["--vericache", "--radix-cache-backend", "radix"], ["--radix-cache-backend", "host memory"]),
     ],
 )
 def test_bad_flag_fails_at_start_up_naming_the_flag(args: list[str], fragments: list[str]) -> None:

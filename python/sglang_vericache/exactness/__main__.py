@@ -13,6 +13,7 @@ top-2 log-prob margin there, and totals. Exit status: 0 all identical, 1 some di
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import logging
 import shlex
@@ -21,7 +22,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 from sglang_vericache.config import is_vericache_flag
 from sglang_vericache.exactness.client import Prompt, generate_all, load_prompts
@@ -71,6 +72,35 @@ def run_side(
     return gens, elapsed
 
 
+def reference_key(prompts: Sequence[Prompt], args: list[str], opts: argparse.Namespace) -> str:
+    """What a reference run's output depends on: prompts, server args and sampling."""
+    blob = json.dumps([[repr(p) for p in prompts], args, opts.max_new_tokens, opts.temperature,
+                       opts.concurrency])  # fmt: skip
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def cached_reference(
+    path: Path | None, key: str, run: Callable[[], tuple[list[Generation], float]]
+) -> tuple[list[Generation], float]:
+    """The reference side, reused from ``path`` when it was written for the same ``key``."""
+    if path is not None and path.exists():
+        saved = json.loads(path.read_text())
+        if saved.get("key") == key:
+            logger.info("reference: reusing %s", path)
+            gens = [Generation(tuple(g["output_ids"]),
+                               None if g["top2"] is None else
+                               tuple(tuple((float(a), int(b)) for a, b in step) for step in g["top2"]))
+                    for g in saved["generations"]]  # fmt: skip
+            return gens, float(saved["seconds"])
+        logger.info("reference: %s was written for other prompts or args; running it again", path)
+    gens, seconds = run()
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"key": key, "seconds": seconds, "generations": [
+            {"output_ids": list(g.output_ids), "top2": g.top2} for g in gens]}) + "\n")  # fmt: skip
+    return gens, seconds
+
+
 def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     argv = list(argv)
     if "--" not in argv:
@@ -91,6 +121,9 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--reference-extra", default="", help="extra args for the reference only")
     p.add_argument("--candidate-extra", default="", help="extra args for the candidate only")
     p.add_argument("--output", type=Path, help="also write the JSON summary here")
+    p.add_argument("--reference-cache", type=Path, default=None,
+                   help="reuse the reference outputs saved here by an earlier run with the same "
+                   "prompts, args and sampling (written when absent or stale)")
     p.add_argument("--log-dir", default=None, help="server logs (default: a temp dir)")
     p.add_argument("--startup-timeout", type=float, default=600.0)
     opts = p.parse_args(argv)
@@ -116,7 +149,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ref_args = reference_args(server_args) + shlex.split(opts.reference_extra)
     cand_args = list(server_args) + shlex.split(opts.candidate_extra)
     try:
-        ref, ref_s = run_side("reference", ref_args, prompts, opts, with_top2=True)
+        ref, ref_s = cached_reference(
+            opts.reference_cache, reference_key(prompts, ref_args, opts),
+            lambda: run_side("reference", ref_args, prompts, opts, with_top2=True),
+        )  # fmt: skip
         cand, cand_s = run_side("candidate", cand_args, prompts, opts, with_top2=False)
     except ServerStartError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -49,10 +49,13 @@ _OWNED_FLAGS = {
     "--speculative-num-draft-tokens": "use --vericache-draft-len",
     "--attention-backend": "--vericache selects its own attention backend",
     "--enable-mixed-chunk": "mixed prefill/decode batches would decode without verification",
+    "--radix-cache-backend": "--vericache selects its own prefix cache, which knows rows whose "
+    "full KV is in host memory",
+    "--enable-hierarchical-cache": "the full KV already lives in host memory (--vericache-tier)",
 }
 
 
-def _check_compatible(config: VeriCacheConfig, argv: list[str]) -> None:
+def check_compatible(config: VeriCacheConfig, argv: list[str]) -> None:
     if not config.enabled:
         return
     given = {a.split("=", 1)[0] for a in argv}
@@ -69,6 +72,7 @@ def _apply(server_args: Any, config: VeriCacheConfig) -> None:
     server_args.speculative_algorithm = ALGORITHM
     server_args.speculative_num_draft_tokens = drafts + 1  # verify width: last token + drafts
     server_args.attention_backend = BACKEND_NAME
+    server_args.radix_cache_backend = BACKEND_NAME  # knows rows offloaded to host memory
     server_args.disable_overlap_schedule = True  # the worker runs synchronously
 
 
@@ -77,7 +81,7 @@ def _prepare_server_args(original: Callable[..., Any], argv: list[str], *a: Any,
     if "-h" not in argv and "--help" not in argv:
         try:
             config = parse_cli_flags(argv)
-            _check_compatible(config, argv)
+            check_compatible(config, argv)
         except VeriCacheConfigError as exc:
             prog = "sglang serve" if "sglang" in sys.argv[0] else "sglang.launch_server"
             argparse.ArgumentParser(prog=prog).error(str(exc))  # exits with status 2
@@ -85,10 +89,16 @@ def _prepare_server_args(original: Callable[..., Any], argv: list[str], *a: Any,
     else:
         config = VeriCacheConfig()
     server_args = original(argv, *a, **kw)
+    attach(server_args, config)
+    return server_args
+
+
+def attach(server_args: Any, config: VeriCacheConfig) -> None:
+    """Carry ``config`` on ``server_args`` to every SGLang process; with it enabled, select the
+    VERICACHE worker, attention backend and prefix cache."""
     setattr(server_args, SERVER_ARGS_ATTR, config.to_dict())
     if config.enabled:
         _apply(server_args, config)
-    return server_args
 
 
 def vericache_config(server_args: Any) -> VeriCacheConfig:
@@ -134,8 +144,13 @@ def register() -> None:
     from sglang.srt.arg_groups.resolution_hooks import register_resolution_hook
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
+    from sglang_vericache.srt.admission import register_admission_hook
     from sglang_vericache.srt.patches import register_patches
-    from sglang_vericache.srt.registration import register_algorithm, register_backend
+    from sglang_vericache.srt.registration import (
+        register_algorithm,
+        register_backend,
+        register_radix_cache,
+    )
 
     HookRegistry.register(
         "sglang.srt.server_args.ServerArgs.add_cli_args", _add_cli_args, HookType.AFTER
@@ -146,5 +161,7 @@ def register() -> None:
     register_resolution_hook("handle_missing_default_values")(_cpu_device_default)
     register_backend()
     register_algorithm()
+    register_radix_cache()
     register_patches()
+    register_admission_hook()
     _registered = True

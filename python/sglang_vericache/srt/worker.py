@@ -10,6 +10,9 @@ gets every extend (prefill) and decode batch. Per decode step and request::
              positions p..p+n hold exact KV (written by the verify), appended to the compressed
              cache; drafts past the first mismatch are rolled back (their slots are rewritten
              by the next step)
+    offload: the request's committed full KV moves to host memory (after prefill, then every
+             TAIL_CHUNK tokens) and its pool slots go back to the allocator; only the
+             compressed KV's share stays reserved in the pool (``srt/offload.py``)
 
 Only tokens the full-KV verify produced are ever committed, so greedy output equals plain
 decoding. A request that cannot be drafted greedily (temperature > 0, penalties, grammar,
@@ -29,30 +32,18 @@ from sglang.srt.speculative.ngram_info import NgramVerifyInput
 
 from sglang_vericache.compress import Full, build_compressor
 from sglang_vericache.srt.attention import DraftViews, QueryCapture, VeriCacheAttnBackend
-from sglang_vericache.srt.draft_state import RequestDraftState, read_pool_kv
+from sglang_vericache.srt.draft_state import RequestDraftState
+from sglang_vericache.srt.eligibility import plain_reason
+from sglang_vericache.srt.offload import read_pool_kv
+from sglang_vericache.srt.offloader import PoolOffloader
 from sglang_vericache.srt.patches import META_INFO_KEY
 from sglang_vericache.srt.plugin import vericache_config
 from sglang_vericache.verify import VeriCacheStats, VerifyRecord, greedy_accept
+from sglang_vericache.verify.stats import DecodeMode
 
 logger = logging.getLogger(__name__)
 
 OBS_WINDOW = 32  # prompt queries kept for attention-scored compressors (SnapKV, H2O)
-
-
-def plain_reason(req: Any) -> str | None:
-    """Why ``req`` cannot be drafted greedily (None: it can). Such requests decode plainly."""
-    sp = req.sampling_params
-    if sp.top_k != 1:
-        return "sampling (temperature > 0)"
-    if sp.frequency_penalty or sp.presence_penalty or sp.repetition_penalty != 1.0:
-        return "penalties"
-    if sp.min_new_tokens or sp.logit_bias or getattr(req, "custom_logit_processor", None):
-        return "logit processing"
-    if getattr(req, "grammar", None) is not None:
-        return "constrained decoding"
-    if req.return_logprob:
-        return "logprobs requested"
-    return None
 
 
 class VeriCacheWorker(BaseSpecWorker):
@@ -70,6 +61,12 @@ class VeriCacheWorker(BaseSpecWorker):
         self.num_layers = self.model_runner.model_config.num_hidden_layers
         self.states: dict[str, RequestDraftState] = {}
         self.plain: dict[str, VeriCacheStats] = {}
+        self._offloader: PoolOffloader | None = None
+        self.metrics = None
+        if server_args.enable_metrics:
+            from sglang_vericache.srt.metrics import VeriCacheExporter
+
+            self.metrics = VeriCacheExporter(server_args.served_model_name or "default")
         logger.info(
             "VeriCache worker: compressor %s, verify width %d",
             self.compressor.spec, self.speculative_num_draft_tokens,
@@ -84,6 +81,22 @@ class VeriCacheWorker(BaseSpecWorker):
                 f"--vericache needs the 'vericache' attention backend, got {type(attn).__name__}"
             )
         return attn
+
+    @property
+    def offloader(self) -> PoolOffloader:
+        """Moves committed full KV to host memory (the pools exist only after init)."""
+        if self._offloader is None:
+            runner = self.model_runner
+            self._offloader = PoolOffloader(
+                runner.token_to_kv_pool, runner.req_to_token_pool,
+                runner.token_to_kv_pool_allocator, self.num_layers,
+            )  # fmt: skip
+        return self._offloader
+
+    def _offload(self, req: Any, row: int, committed: int, state: RequestDraftState) -> None:
+        """Move the request's committed KV past its tree-owned prefix to host memory."""
+        owned_from = int(req.kv.cache_protected_len)
+        self.offloader.offload(row, owned_from, committed, state.nbytes)
 
     # -- pool access -------------------------------------------------------------------------
 
@@ -108,6 +121,11 @@ class VeriCacheWorker(BaseSpecWorker):
             result = self._verify_step(batch)
         if on_publish is not None:
             on_publish(result.new_seq_lens)
+        if self.metrics is not None:
+            ledger = self.offloader.ledger
+            self.metrics.set_placement(
+                sum(e.host.length for e in ledger.rows.values()), ledger.reserved_slots()
+            )
         return result
 
     def _sync_states(self, batch) -> None:
@@ -127,16 +145,14 @@ class VeriCacheWorker(BaseSpecWorker):
                 self.states[req.rid] = self._rebuild(row, base)
 
     def _rebuild(self, row: int, base: int) -> RequestDraftState:
-        slots, no_queries = self._row_slots(row, 0, base), [None] * self.num_layers
+        read, no_queries = self.offloader.layer_reader(row, base), [None] * self.num_layers
         try:
             return RequestDraftState.build(
-                self.compressor, self._read_pool, slots, no_queries, self.num_layers
+                self.compressor, read, base, no_queries, self.num_layers
             )
         except ValueError as exc:  # a scorer that needs the prompt's queries, gone by now
             logger.warning("rebuilding without observations (%s): drafting from the full KV", exc)
-            return RequestDraftState.build(
-                Full(), self._read_pool, slots, no_queries, self.num_layers
-            )
+            return RequestDraftState.build(Full(), read, base, no_queries, self.num_layers)
 
     def _forget_finished(self, batch) -> None:
         live = {r.rid for r in batch.reqs}
@@ -155,7 +171,8 @@ class VeriCacheWorker(BaseSpecWorker):
         if logits_output is not None:
             # SGLang's per-request side channel into meta_info (see patches.META_INFO_KEY).
             logits_output.customized_info = {
-                META_INFO_KEY: [self.stats_for(r.rid).to_meta_info() for r in batch.reqs]
+                META_INFO_KEY: [self._meta_info(r.rid, row) for r, row in
+                                zip(batch.reqs, batch.req_pool_indices.tolist())]
             }
         return GenerationBatchResult(
             logits_output=logits_output,
@@ -188,15 +205,19 @@ class VeriCacheWorker(BaseSpecWorker):
             if req is batch.chunked_req:
                 continue  # prompt not complete yet: compress after its last chunk
             reason = plain_reason(req)
+            if self.metrics is not None:
+                self.metrics.observe_request(DecodeMode.VERIFY if reason is None else DecodeMode.PLAIN)
             if reason is not None:
                 self.plain[req.rid] = VeriCacheStats.plain(reason)
                 continue
             queries = [capture.queries[i].get(layer) if capture.queries else None
                        for layer in range(self.num_layers)]  # fmt: skip
-            self.states[req.rid] = RequestDraftState.build(
-                self.compressor, self._read_pool, self._row_slots(rows[i], 0, seq_lens[i]),
+            state = RequestDraftState.build(
+                self.compressor, self.offloader.layer_reader(rows[i], seq_lens[i]), seq_lens[i],
                 queries, self.num_layers,
             )  # fmt: skip
+            self.states[req.rid] = state
+            self._offload(req, rows[i], seq_lens[i], state)
         bs = len(batch.reqs)
         ones = torch.ones(bs, dtype=torch.int32, device=self.device)
         return self._result(batch, out.next_token_ids, ones, batch.seq_lens.clone(),
@@ -237,6 +258,7 @@ class VeriCacheWorker(BaseSpecWorker):
             if state is not None:
                 slots = self._row_slots(rows[i], int(base[i]), int(base[i]) + 1)
                 state.append(self._read_pool, slots, [None] * self.num_layers)
+                self._offload(req, rows[i], int(base[i]) + 1, state)
         bs = len(batch.reqs)
         width = self.speculative_num_draft_tokens
         tokens = torch.zeros(bs, width, dtype=torch.int64, device=self.device)
@@ -287,17 +309,31 @@ class VeriCacheWorker(BaseSpecWorker):
         accept_lens = accepted.accept_lens
         pool_rows = batch.req_pool_indices.tolist()
         for i, req in enumerate(batch.reqs):
-            n = int(accept_lens[i])
+            n, row = int(accept_lens[i]), pool_rows[i]
             state = self.states[req.rid]
-            slots = self._row_slots(pool_rows[i], int(base[i]), int(base[i]) + n)
+            slots = self._row_slots(row, int(base[i]), int(base[i]) + n)
             queries = [capture.queries[i][layer][:, :n] for layer in range(self.num_layers)]
             state.append(self._read_pool, slots, queries)
-            state.stats.record(
-                VerifyRecord(drafted=width - 1, committed=n, bytes_fetched=0, wait_full_s=0.0)
-            )
+            span = self.offloader.ledger.span(row)
+            fetched = 0 if span is None else span.host.nbytes  # host KV the verify read
+            record = VerifyRecord(drafted=width - 1, committed=n, bytes_fetched=fetched,
+                                  wait_full_s=0.0)  # fmt: skip
+            state.stats.record(record)
+            if self.metrics is not None:
+                self.metrics.observe_verify(record)
+            self._offload(req, row, int(base[i]) + n, state)
         new_seq_lens = (base + accept_lens.cpu()).to(self.device)
         return self._result(batch, predict.flatten(), accept_lens, new_seq_lens,
                             out.logits_output)  # fmt: skip
+
+    def _meta_info(self, rid: str, row: int) -> dict[str, Any]:
+        """``meta_info["vericache"]``: the counters plus where the request's KV lives now."""
+        info = self.stats_for(rid).to_meta_info()
+        state, span = self.states.get(rid), self.offloader.ledger.span(row)
+        info["compressed_kv_bytes"] = 0 if state is None else state.nbytes
+        info["host_kv_tokens"] = 0 if span is None else span.host.length
+        info["reserved_slots"] = 0 if span is None else int(span.reserved.numel())
+        return info
 
     def stats_for(self, rid: str) -> VeriCacheStats:
         """The request's counters (plain-decoded requests carry their reason)."""
