@@ -7,10 +7,14 @@ Triton kernel, which needs a GPU; SGLang's own CPU branch is taken only for its 
 engine, and no platform hook chooses the implementation. The AROUND hook below keeps the
 original for device tensors and writes the rows with torch when they live on the CPU.
 
-2. ``TokenizerManager._accumulate_request_meta_info`` turns each per-step value a worker reports
-through ``LogitsProcessorOutput.customized_info`` into a growing list in ``meta_info``.
-VeriCache reports cumulative per-request counters, so for its key the latest value replaces
-the list: ``meta_info["vericache"]`` is one dict (drafted, accepted, verify steps, ...).
+2. ``meta_info["vericache"]`` rides SGLang's per-request ``customized_info`` channel, which is
+per *token*: each send to the tokenizer carries ``req.customized_info[key][offset:len(output)]``
+for the tokens it streams, and ``TokenizerManager._accumulate_request_meta_info`` turns the
+values into a growing list. A verify step commits several tokens but a worker result carries one
+value per step, so SGLang's own collection would leave later sends empty (and the final
+response without the key). ``publish_meta_info`` therefore keeps the request's latest counters
+at every token index, and the AROUND hook keeps only the newest value: ``meta_info["vericache"]``
+is one dict (drafted, accepted, verify steps, ...), current at every send.
 """
 
 from __future__ import annotations
@@ -62,6 +66,14 @@ def _meta_info_around(original: Callable[..., Any], meta_info: dict, state: Any,
     if values:
         meta_info[key] = values[-1]  # cumulative counters: the newest supersedes the rest
     return None
+
+
+def publish_meta_info(req: Any, info: dict, upto: int) -> None:
+    """Make ``info`` the request's ``meta_info["vericache"]`` for every token index < ``upto``
+    (at least its output length after this step); see point 2 of the module doc."""
+    if req.customized_info is None:
+        req.customized_info = {}
+    req.customized_info[META_INFO_KEY] = [info] * upto
 
 
 def register_patches() -> None:

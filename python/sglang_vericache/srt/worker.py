@@ -36,7 +36,7 @@ from sglang_vericache.srt.draft_state import RequestDraftState
 from sglang_vericache.srt.eligibility import plain_reason
 from sglang_vericache.srt.offload import read_pool_kv
 from sglang_vericache.srt.offloader import PoolOffloader
-from sglang_vericache.srt.patches import META_INFO_KEY
+from sglang_vericache.srt.patches import publish_meta_info
 from sglang_vericache.srt.plugin import vericache_config
 from sglang_vericache.verify import VeriCacheStats, VerifyRecord, greedy_accept
 from sglang_vericache.verify.stats import DecodeMode
@@ -168,12 +168,8 @@ class VeriCacheWorker(BaseSpecWorker):
 
     def _result(self, batch, next_token_ids, accept_lens, new_seq_lens, logits_output):
         width = self.speculative_num_draft_tokens
-        if logits_output is not None:
-            # SGLang's per-request side channel into meta_info (see patches.META_INFO_KEY).
-            logits_output.customized_info = {
-                META_INFO_KEY: [self._meta_info(r.rid, row) for r, row in
-                                zip(batch.reqs, batch.req_pool_indices.tolist())]
-            }
+        for req, row in zip(batch.reqs, batch.req_pool_indices.tolist()):
+            publish_meta_info(req, self._meta_info(req.rid, row), len(req.output_ids) + width)
         return GenerationBatchResult(
             logits_output=logits_output,
             next_token_ids=next_token_ids,
