@@ -14,34 +14,51 @@ only where a drafted request's row holds placeholders instead of slots (``srt/of
 
 Requests decoded plainly (sampling, logprobs, ...) never offload and are cached exactly as
 without ``--vericache``.
+
+With a remote tier (``--vericache-tier zmq://...`` / ``lmcache://...``) finished sequences are
+also written through to it, and a prompt whose prefix the tier holds past the device match is
+loaded from it instead of recomputed (``srt/remote_prefix.py``): a prefix computed by one
+server is a hit on every server sharing the tier.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
-from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+import torch
+from sglang.srt.mem_cache.base_prefix_cache import (
+    EvictParams,
+    InsertParams,
+    MatchPrefixParams,
+    MatchResult,
+)
 from sglang.srt.mem_cache.radix_cache import RadixCache
 
 from sglang_vericache.srt.eligibility import plain_reason
 from sglang_vericache.srt.offloader import PoolOffloader
+from sglang_vericache.srt.remote_prefix import RemotePrefixLink
 
 logger = logging.getLogger(__name__)
 
 BACKEND_NAME = "vericache"
+REMOTE_CHUNK_TOKENS = 128  # tokens per tier chunk: the granularity of cross-request reuse
 
 
 class VeriCacheRadixCache(RadixCache):
     """``RadixCache`` plus restore/drop of offloaded rows (see module doc)."""
 
-    def __init__(self, params: Any, num_layers: int, verify_width: int) -> None:
+    def __init__(self, params: Any, num_layers: int, verify_width: int,
+                 remote: RemotePrefixLink | None = None) -> None:  # fmt: skip
         allocator = params.token_to_kv_pool_allocator
         self.offloader = PoolOffloader(
             allocator.get_kvcache(), params.req_to_token_pool, allocator, num_layers
         )  # before super().__init__, which calls reset()
         self.restore_failures = 0
         self.verify_width = verify_width  # pool slots one verification writes per request
+        self.remote = remote
+        self.freed_seen = 0  # ledger.freed_slots when admission last reopened (admission.py)
         super().__init__(params)
 
     def checkpoint(self, req: Any, *, up_to: int) -> None:
@@ -50,6 +67,10 @@ class VeriCacheRadixCache(RadixCache):
             if self.offloader.ledger.span(row) is None and plain_reason(req) is not None:
                 super().checkpoint(req, up_to=up_to)
             return  # a drafted request keeps its KV to itself while it runs
+        if self.remote is not None and _tier_eligible(req):
+            self.remote.write_through(
+                req.full_untruncated_fill_ids[:up_to], self._sequence_reader(row)
+            )  # fmt: skip
         if self.disable:
             return  # nothing is cached; the row's placeholders are skipped when it is freed
         restored = self.offloader.restore(
@@ -69,12 +90,106 @@ class VeriCacheRadixCache(RadixCache):
 
     def on_release(self, req: Any, *, checkpointed: bool) -> None:
         self.offloader.drop(req.kv.req_pool_idx)
+        if self.remote is not None:
+            self.remote.forget(req.rid)
         super().on_release(req, checkpointed=checkpointed)
+
+    # -- the remote tier -------------------------------------------------------------------
+
+    def _sequence_reader(self, row: int):
+        """(start, end) -> full KV of row positions [start, end): [L, 2, H_kv, n, D], host."""
+
+        def read(start: int, end: int) -> torch.Tensor:
+            layer = self.offloader.layer_reader(row, end)
+            kv = [torch.stack(layer(i))[:, :, start:] for i in range(self.offloader.num_layers)]
+            return torch.stack(kv).cpu()
+
+        return read
+
+    def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
+        result = super().match_prefix(params)
+        req = params.req
+        if self.remote is None or self.disable or req is None or not _tier_eligible(req):
+            return result
+        hit = self.remote.probe(req.rid, params.key.raw_token_ids(), result.device_prefix_len)
+        return result._replace(host_hit_length=hit) if hit > 0 else result
+
+    def init_load_back(self, params: Any) -> tuple[int, Any] | None:
+        req, node = params.req, params.best_match_node
+        if self.remote is None or req is None:
+            return 0, node
+        start = int(req.prefix_len)
+        kv = self.remote.take(req.rid, start)
+        if kv is False:
+            time.sleep(0.001)  # the scheduler retries at once: let the tier's I/O thread run
+            return None  # lookup or fetch in flight: the request waits in the queue
+        if kv is None:
+            return 0, node  # miss or failure: recompute
+        n = kv.shape[3] // self.page_size * self.page_size
+        slots = self.token_to_kv_pool_allocator.alloc(n) if n else None
+        if slots is None and n:
+            self.evict(EvictParams(num_tokens=n))
+            slots = self.token_to_kv_pool_allocator.alloc(n)
+        if slots is None:
+            return 0, node
+        self._write_pool(slots, kv[..., :n, :])
+        key = _match_key(req)[: start + n]
+        prefix = self.path_device_indices(node)[:start].to(slots.device)
+        inserted = self.insert(InsertParams(key=key, value=torch.cat([prefix, slots])))
+        duplicates = max(0, inserted.prefix_len - start)
+        if duplicates:  # another request inserted part of it meanwhile: keep the tree's copy
+            self.token_to_kv_pool_allocator.free(slots[:duplicates])
+        new_node = super().match_prefix(MatchPrefixParams(key=key)).last_device_node
+        return n, new_node
+
+    def _write_pool(self, slots: torch.Tensor, kv: torch.Tensor) -> None:
+        """kv: [L, 2, H_kv, n, D] into pool slots [n] of every layer."""
+        pool = self.offloader.pool
+        for layer in range(kv.shape[0]):
+            dst_k, dst_v = pool.get_key_buffer(layer), pool.get_value_buffer(layer)
+            dst_k[slots] = kv[layer, 0].transpose(0, 1).to(dst_k.device, dst_k.dtype)
+            dst_v[slots] = kv[layer, 1].transpose(0, 1).to(dst_v.device, dst_v.dtype)
 
     def reset(self) -> None:
         for row in list(self.offloader.ledger.rows):
             self.offloader.drop(row)
         super().reset()
+
+
+def _tier_eligible(req: Any) -> bool:
+    """Tier keys hash tokens and the model only: LoRA / salted requests stay local."""
+    return not getattr(req, "extra_key", None) and not getattr(req, "cache_salt", None)
+
+
+def _match_key(req: Any) -> Any:
+    from array import array
+
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+
+    return RadixKey(array("q", list(req.origin_input_ids) + list(req.output_ids)))
+
+
+def _open_remote(ctx: Any, num_layers: int) -> RemotePrefixLink | None:
+    """The tier link for zmq:// and lmcache:// tiers (None for the host tier)."""
+    import os
+    from pathlib import Path
+
+    from sglang_vericache.config import TierKind
+    from sglang_vericache.srt.plugin import vericache_config
+    from sglang_vericache.tier.geometry import KVGeometry
+
+    tier = vericache_config(ctx.server_args).tier
+    if tier.kind is TierKind.HOST:
+        return None
+    keys = ctx.params.token_to_kv_pool_allocator.get_kvcache().get_key_buffer(0)
+    model_id = Path(str(ctx.server_args.model_path)).name or str(ctx.server_args.model_path)
+    geometry = KVGeometry.from_torch_dtype(
+        model_id, num_layers, keys.shape[1], keys.shape[2], keys.dtype, REMOTE_CHUNK_TOKENS
+    )
+    secret = os.environ.get("VERICACHE_TIER_SECRET")
+    logger.info("remote prefix tier %s (chunks of %d tokens)", tier, REMOTE_CHUNK_TOKENS)
+    return RemotePrefixLink.open(str(tier), geometry,
+                                 secret=secret.encode() if secret else None)  # fmt: skip
 
 
 def build_vericache_radix_cache(ctx: Any) -> VeriCacheRadixCache:
@@ -85,4 +200,5 @@ def build_vericache_radix_cache(ctx: Any) -> VeriCacheRadixCache:
             "drop --enable-hierarchical-cache or serve this model without --vericache"
         )
     width = int(ctx.server_args.speculative_num_draft_tokens or 1)
-    return VeriCacheRadixCache(ctx.params, ctx.model_config.num_hidden_layers, width)
+    layers = ctx.model_config.num_hidden_layers
+    return VeriCacheRadixCache(ctx.params, layers, width, _open_remote(ctx, layers))

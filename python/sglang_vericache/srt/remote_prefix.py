@@ -1,0 +1,208 @@
+"""Prefix reuse through a remote full-KV tier (``--vericache-tier zmq://`` or ``lmcache://``).
+
+Finished sequences are written through to the tier in chunks named by chained hashes of their
+tokens (``tier/keys.py``: model, geometry and dtype are part of every key), so any server
+sharing the tier can reuse them. On admission the ``vericache`` prefix cache asks
+``probe`` how much of a request's prompt past its device match the tier holds; a request waits
+in SGLang's queue (``init_load_back`` returns None) while its lookup and fetch run in the
+background, then ``take`` hands over the verified KV to load into the pool::
+
+    probe #1   no state      -> submit lookup(chunks past the device match); report them all
+    probe #k   lookup done   -> submit fetch(leading stored chunks) or report 0 (recompute)
+    probe #n   fetch done    -> report exactly the chunks that arrived verified
+    take       fetched KV [L, 2, H_kv, n, D] of positions [device match, end)
+
+Every failure (dead server, timeout, corrupt chunk, geometry mismatch, full tier) ends as
+"report 0 / fewer chunks": SGLang recomputes the rest, output is unchanged. Nothing here
+blocks on the network: the tier client runs its own I/O thread (submit/poll).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+from sglang_vericache.tier import TaskStatus, chunk_keys, open_tier
+from sglang_vericache.tier.base import FullKVTier, TaskId
+from sglang_vericache.tier.geometry import KVGeometry
+from sglang_vericache.tier.keys import ChunkKey
+
+logger = logging.getLogger(__name__)
+
+STORED_KEYS_REMEMBERED = 65536  # digests known to be in the tier (skips re-sending a prefix)
+PENDING_TTL_S = 600.0  # a waiting request that vanished (aborted in the queue) is forgotten
+
+
+@dataclass(slots=True)
+class _Pending:
+    """One waiting request: the chunks past its device match and the task working on them."""
+
+    first_chunk: int
+    keys: list[ChunkKey]
+    task: TaskId | None
+    phase: str  # "lookup" | "fetch" | "ready" | "miss"
+    dst: list[Tensor] = field(default_factory=list)
+    chunks_ok: int = 0
+    created: float = field(default_factory=time.monotonic)
+
+
+@dataclass(slots=True)
+class RemoteCounters:
+    lookups: int = 0
+    hits_tokens: int = 0
+    fetch_failures: int = 0
+    puts: int = 0
+    put_failures: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return {name: getattr(self, name) for name in self.__slots__}
+
+
+class RemotePrefixLink:
+    """Lookup / fetch / write-through of full-KV prefixes for one prefix cache (module doc).
+
+    Used from the scheduler thread only. ``tier`` is any ``FullKVTier``.
+    """
+
+    def __init__(self, tier: FullKVTier) -> None:
+        self.tier = tier
+        self.geometry: KVGeometry = tier.geometry
+        self.chunk = self.geometry.chunk_tokens
+        self.pending: dict[str, _Pending] = {}
+        self._puts: dict[TaskId, tuple[list[ChunkKey], list[Tensor]]] = {}
+        self._stored: OrderedDict[bytes, None] = OrderedDict()
+        self.counters = RemoteCounters()
+
+    @classmethod
+    def open(cls, spec: str, geometry: KVGeometry, **options) -> "RemotePrefixLink":
+        from sglang_vericache.tier.factory import TierOptions
+
+        return cls(open_tier(spec, geometry, TierOptions(**options)))
+
+    # -- reads --------------------------------------------------------------------------------
+
+    def probe(self, rid: str, tokens: Sequence[int], device_len: int) -> int:
+        """Tokens past ``device_len`` to report as a host hit for ``tokens`` (the match key).
+
+        > 0 while the lookup or fetch is in flight (the request then waits in the queue), the
+        verified length once fetched, 0 on a miss or failure (the request recomputes).
+        """
+        self.poll()
+        state = self.pending.get(rid)
+        first = device_len // self.chunk
+        if state is None or state.first_chunk > first:
+            end = len(tokens) // self.chunk * self.chunk
+            if end <= device_len:
+                return 0
+            keys = chunk_keys(self.geometry, list(tokens[:end]))[first:]
+            state = _Pending(first, keys, self.tier.submit_lookup(keys), "lookup")
+            self.pending[rid] = state
+            self.counters.lookups += 1
+        if state.phase == "miss":
+            return 0
+        end_chunks = len(state.keys) if state.phase != "ready" else state.chunks_ok
+        return max((state.first_chunk + end_chunks) * self.chunk - device_len, 0)
+
+    def take(self, rid: str, device_len: int) -> Tensor | None | bool:
+        """The fetched KV of positions [device_len, end): [L, 2, H_kv, n, D] on the host.
+
+        Returns False while still in flight (retry later), None on a miss (recompute).
+        The request's state is consumed either way except when in flight.
+        """
+        self.poll()
+        state = self.pending.get(rid)
+        if state is None or state.phase == "miss":
+            self.pending.pop(rid, None)
+            return None
+        if state.phase != "ready":
+            return False
+        del self.pending[rid]
+        start = device_len - state.first_chunk * self.chunk
+        kv = torch.cat(state.dst[: state.chunks_ok], dim=3)[..., start:, :]
+        if kv.shape[3] <= 0:
+            return None
+        self.counters.hits_tokens += kv.shape[3]
+        return kv
+
+    def forget(self, rid: str) -> None:
+        state = self.pending.pop(rid, None)
+        if state is not None and state.task is not None:
+            self.tier.cancel(state.task)
+
+    # -- writes -------------------------------------------------------------------------------
+
+    def write_through(self, tokens: Sequence[int], read: Callable[[int, int], Tensor]) -> int:
+        """Store the whole chunks of ``tokens`` the tier does not hold yet (asynchronously).
+
+        read(start, end): full KV of positions [start, end), [L, 2, H_kv, n, D] on the host.
+        Returns the number of chunks submitted.
+        """
+        self.poll()
+        n_full = len(tokens) // self.chunk
+        if n_full == 0:
+            return 0
+        keys = chunk_keys(self.geometry, list(tokens[: n_full * self.chunk]))
+        first_new = next((i for i, k in enumerate(keys) if k.digest not in self._stored), n_full)
+        if first_new == n_full:
+            return 0
+        kv = read(first_new * self.chunk, n_full * self.chunk)
+        chunks = [kv[..., i * self.chunk : (i + 1) * self.chunk, :].contiguous()
+                  for i in range(n_full - first_new)]  # fmt: skip
+        new_keys = keys[first_new:]
+        self._puts[self.tier.submit_put(new_keys, chunks)] = (new_keys, chunks)
+        self.counters.puts += 1
+        return len(new_keys)
+
+    # -- completions --------------------------------------------------------------------------
+
+    def poll(self) -> None:
+        """Apply every finished tier task (never blocks); forget long-abandoned requests."""
+        now = time.monotonic()
+        for rid in [r for r, s in self.pending.items() if now - s.created > PENDING_TTL_S]:
+            self.forget(rid)
+        by_task = {s.task: (rid, s) for rid, s in self.pending.items() if s.task is not None}
+        for task_id, result in self.tier.poll().items():
+            put = self._puts.pop(task_id, None)
+            if put is not None:
+                self._finish_put(put[0], result)
+                continue
+            rid_state = by_task.get(task_id)
+            if rid_state is None:
+                continue  # cancelled: its request is gone
+            rid, state = rid_state
+            state.task = None
+            n_ok = result.num_ok_prefix if result.status is TaskStatus.DONE else 0
+            if result.status is not TaskStatus.DONE or (state.phase == "fetch" and not result.all_ok):
+                self.counters.fetch_failures += 1
+                logger.warning("tier %s for request %s: %s (%d/%d chunks usable); the rest is "
+                               "recomputed", state.phase, rid, result.error or result.status.value,
+                               n_ok, len(state.keys))  # fmt: skip
+            if n_ok == 0:
+                state.phase = "miss"
+            elif state.phase == "lookup":
+                state.keys = state.keys[:n_ok]
+                state.dst = [torch.empty(self.geometry.chunk_shape(k.num_tokens),
+                                         dtype=self.geometry.torch_dtype) for k in state.keys]  # fmt: skip
+                state.task, state.phase = self.tier.submit_fetch(state.keys, state.dst), "fetch"
+            else:
+                state.chunks_ok, state.phase = n_ok, "ready"
+
+    def _finish_put(self, keys: list[ChunkKey], result) -> None:
+        if result.status is not TaskStatus.DONE or not result.all_ok:
+            self.counters.put_failures += 1
+            logger.warning("tier put failed (%s); those prefixes will be recomputed next time",
+                           result.error or result.status.value)  # fmt: skip
+        for key, ok in zip(keys, result.ok):
+            if ok:
+                self._stored[key.digest] = None
+        while len(self._stored) > STORED_KEYS_REMEMBERED:
+            self._stored.popitem(last=False)
+
+    def close(self) -> None:
+        self.tier.close()

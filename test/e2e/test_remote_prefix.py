@@ -1,0 +1,122 @@
+"""Remote prefix reuse through the zmq KV server, between two real --vericache servers.
+
+One KV server process on 127.0.0.1 (throttled, fault injection on) is shared by servers A and
+B. A prefix computed on A is a hit on B; a corrupted chunk, and a KV server killed in the middle
+of a fetch, make B recompute, with output token-identical to plain SGLang every time.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from sglang_vericache.exactness.server import SGLangServer, http_json
+from sglang_vericache.tier.admin import server_request
+from sglang_vericache.tier.process import ServerProcess
+from sglang_vericache.tier.protocol import Op
+
+pytestmark = [pytest.mark.sglang, pytest.mark.model, pytest.mark.timeout(1200)]
+
+CHUNK = 128  # srt/radix_cache.py REMOTE_CHUNK_TOKENS
+NEW_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def tokenizer(default_model_path: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(default_model_path)
+
+
+@pytest.fixture(scope="module")
+def kv_server() -> Iterator[ServerProcess]:
+    # 40 MB/s: a 700-token prefix (~32 MB of fp32 KV) takes ~0.8 s, long enough to kill it
+    with ServerProcess("--fault-injection", "--bandwidth-mbps", "40", capacity_gb=1.0) as proc:
+        yield proc
+
+
+@pytest.fixture(scope="module")
+def servers(kv_server, tmp_path_factory) -> Iterator[tuple[SGLangServer, SGLangServer]]:
+    args = ["--max-total-tokens", "16384", "--vericache", "--vericache-draft-len", "4",
+            "--vericache-tier", kv_server.spec]  # fmt: skip
+    logs = tmp_path_factory.mktemp("remote")
+    with SGLangServer(args, log_path=logs / "a.log") as a, SGLangServer(args, log_path=logs / "b.log") as b:
+        yield a, b
+
+
+def _prompt(tokenizer, topic: str) -> list[int]:
+    text = (f"Notes on {topic}. " + " ".join(f"Section {i}: the {topic} rule number {i} says "
+            f"that every {topic} item must be checked twice before release." for i in range(40)))
+    return tokenizer.encode(text)[:700]  # fmt: skip
+
+
+def _generate(server: SGLangServer, ids: list[int]) -> dict:
+    return http_json(server.url + "/generate", {
+        "input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": NEW_TOKENS},
+    })  # fmt: skip
+
+
+def _wait_stored(kv_server: ServerProcess, chunks: int, before: int) -> None:
+    deadline = time.monotonic() + 30
+    while kv_server.stats()["puts"] - before < chunks and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert kv_server.stats()["puts"] - before >= chunks, kv_server.stats()
+
+
+def test_prefix_computed_on_a_is_a_hit_on_b(servers, kv_server, plain_server, tokenizer) -> None:
+    a, b = servers
+    ids = _prompt(tokenizer, "invoice")
+    before = kv_server.stats()["puts"]
+    first = _generate(a, ids)
+    _wait_stored(kv_server, len(ids) // CHUNK, before)
+    turn2 = ids + first["output_ids"] + tokenizer.encode(" Now list the exceptions.")
+    got = _generate(b, turn2)
+    assert got["meta_info"]["cached_tokens"] >= (len(ids) // CHUNK) * CHUNK, got["meta_info"]
+    assert got["output_ids"] == _generate(plain_server, turn2)["output_ids"]
+
+
+def test_corrupt_chunk_is_recomputed_identically(servers, kv_server, plain_server,
+                                                 tokenizer, default_model_path) -> None:  # fmt: skip
+    from sglang_vericache.tier.geometry import KVGeometry
+    from sglang_vericache.tier.keys import chunk_keys
+
+    a, b = servers
+    ids = _prompt(tokenizer, "shipping")
+    before = kv_server.stats()["puts"]
+    _generate(a, ids)
+    _wait_stored(kv_server, len(ids) // CHUNK, before)
+    # the keys the servers use: model dir name, fp32 SmolLM2-135M geometry, 128-token chunks
+    geometry = KVGeometry(default_model_path.name, 30, 3, 64, "float32", CHUNK)
+    keys = chunk_keys(geometry, ids[: len(ids) // CHUNK * CHUNK])
+    reply = server_request(kv_server.endpoint, Op.CORRUPT, {"keys": [keys[0].digest]})
+    assert reply["ok"] and reply["corrupted"] == 1  # the keys really are the servers' keys
+    got = _generate(b, ids + tokenizer.encode(" Summarize."))
+    # the first chunk is bad, so nothing comes from the tier (only B's own few shared tokens)
+    assert got["meta_info"]["cached_tokens"] < CHUNK, got["meta_info"]
+    want = _generate(plain_server, ids + tokenizer.encode(" Summarize."))
+    assert got["output_ids"] == want["output_ids"]
+
+
+def test_kv_server_killed_mid_fetch_is_recomputed_identically(
+    servers, kv_server, plain_server, tokenizer
+) -> None:
+    a, b = servers
+    ids = _prompt(tokenizer, "warehouse")
+    before = kv_server.stats()["puts"]
+    _generate(a, ids)
+    _wait_stored(kv_server, len(ids) // CHUNK, before)
+    turn2 = ids + tokenizer.encode(" Which rule matters most?")
+    out: dict = {}
+    thread = threading.Thread(target=lambda: out.update(_generate(b, turn2)))
+    thread.start()
+    time.sleep(0.4)  # the throttled fetch of ~700 tokens takes ~0.8 s
+    kv_server.kill()
+    thread.join(timeout=600)
+    assert out["output_ids"] == _generate(plain_server, turn2)["output_ids"]
+    # B keeps serving after losing its tier
+    again = _generate(b, _prompt(tokenizer, "garden"))
+    assert len(again["output_ids"]) == NEW_TOKENS

@@ -1,0 +1,72 @@
+"""The lookup -> fetch -> take state machine of srt/remote_prefix.py, on real tiers."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from sglang_vericache.srt.remote_prefix import RemotePrefixLink
+from sglang_vericache.tier.client import ZmqTier
+from sglang_vericache.tier.host import HostTier
+
+from tier_testlib import TINY, ServerProcess
+
+C = TINY.chunk_tokens  # 8
+
+
+def _sequence_kv(n: int) -> torch.Tensor:
+    """Distinct full KV per position: [L, 2, H_kv, n, D]."""
+    return torch.arange(n, dtype=torch.float32).view(1, 1, 1, n, 1).expand(
+        TINY.num_layers, 2, TINY.num_kv_heads, n, TINY.head_dim).contiguous()
+
+
+def _settle(link: RemotePrefixLink, rid: str, tokens, device_len: int, timeout: float = 10.0):
+    """Probe until the reported hit stops being provisional (what the scheduler does)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        hit = link.probe(rid, tokens, device_len)
+        state = link.pending.get(rid)
+        if state is None or state.phase in ("ready", "miss"):
+            return hit
+        time.sleep(0.01)
+    raise AssertionError("tier task never finished")
+
+
+def test_written_prefix_is_fetched_exactly_past_the_device_match() -> None:
+    link = RemotePrefixLink(HostTier(TINY, capacity_bytes=1 << 20))
+    tokens = list(range(100, 130))  # 3 whole chunks + 6 tokens
+    kv = _sequence_kv(len(tokens))
+    assert link.write_through(tokens, lambda s, e: kv[..., s:e, :]) == 3
+    _settle(link, "warm", tokens, 0)  # completes the put
+    assert link.write_through(tokens, lambda s, e: kv[..., s:e, :]) == 0  # already stored
+    turn2 = tokens + [7, 7, 7]
+    assert _settle(link, "r", turn2, device_len=5) == 3 * C - 5
+    got = link.take("r", 5)
+    assert torch.equal(got, kv[..., 5 : 3 * C, :])  # exactly the positions past the match
+    assert "r" not in link.pending and link.counters.hits_tokens == 3 * C - 5
+
+
+def test_other_tokens_miss_and_report_zero() -> None:
+    link = RemotePrefixLink(HostTier(TINY, capacity_bytes=1 << 20))
+    tokens = list(range(40))
+    link.write_through(tokens, lambda s, e: _sequence_kv(e)[..., s:e, :])
+    other = [1] + tokens[1:]  # one different first token: every chained key differs
+    assert _settle(link, "x", other, 0) == 0
+    assert link.take("x", 0) is None
+    assert link.probe("short", tokens[:C - 1], 0) == 0  # less than a chunk: no lookup at all
+
+
+def test_dead_server_fails_over_to_recompute() -> None:
+    server = ServerProcess()
+    tier = ZmqTier(server.endpoint, TINY, timeout_s=2.0, connect_timeout_s=0.5)
+    link = RemotePrefixLink(tier)
+    tokens = list(range(24))
+    link.write_through(tokens, lambda s, e: _sequence_kv(e)[..., s:e, :])
+    assert _settle(link, "warm", tokens, 0) == 3 * C  # stored and found
+    link.take("warm", 0)
+    server.kill()
+    assert _settle(link, "after", tokens, 0, timeout=15) == 0  # lookup failed: recompute
+    assert link.counters.fetch_failures >= 1
+    link.close()
+    server.stop()
