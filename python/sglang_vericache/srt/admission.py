@@ -12,6 +12,11 @@ request VeriCache drafts keeps far less: its committed tokens move to host memor
 admission reserve exactly that for such requests, and SGLang's estimate for everything else; it
 is what lets a 4x compressor serve several times more long requests in the same budget. The
 same method sizes decode retraction, which therefore also sees the smaller footprint.
+
+SGLang also stops trying to admit once an admission failed for memory (``batch_is_full``) until
+a request leaves. Under VeriCache memory comes back without anyone leaving (a prefill's full KV
+moves to host memory right after it), so the second hook reopens admission whenever offloads
+have freed slots since the last attempt.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from sglang_vericache.srt.offload import TAIL_CHUNK
 TARGET = (
     "sglang.srt.managers.schedule_policy.PrefillAdder._get_running_request_total_token_offset"
 )
+PREFILL_TARGET = "sglang.srt.managers.scheduler.Scheduler._get_new_batch_prefill_raw"
 
 
 def vericache_future_tokens(sglang_estimate: float, reserved: int, offloaded: int,
@@ -47,7 +53,19 @@ def _running_offset_around(original: Callable[..., Any], adder: Any, req: Any) -
     )
 
 
+def _new_prefill_around(original: Callable[..., Any], scheduler: Any, *args: Any, **kw: Any) -> Any:
+    running_batch = kw.get("running_batch", args[1] if len(args) > 1 else None)
+    offloader = getattr(scheduler.tree_cache, "offloader", None)
+    if offloader is not None and running_batch is not None and running_batch.batch_is_full:
+        freed = offloader.ledger.freed_slots
+        if freed != getattr(scheduler.tree_cache, "freed_seen", 0):
+            scheduler.tree_cache.freed_seen = freed
+            running_batch.batch_is_full = False  # memory came back: try admitting again
+    return original(scheduler, *args, **kw)
+
+
 def register_admission_hook() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     HookRegistry.register(TARGET, _running_offset_around, HookType.AROUND)
+    HookRegistry.register(PREFILL_TARGET, _new_prefill_around, HookType.AROUND)

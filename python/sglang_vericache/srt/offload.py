@@ -101,6 +101,7 @@ class OffloadLedger:
 
     def __init__(self) -> None:
         self.rows: dict[int, OffloadedRow] = {}
+        self.freed_slots = 0  # pool slots ever given back by offloads (admission watches it)
 
     def span(self, row: int) -> OffloadedRow | None:
         return self.rows.get(row)

@@ -77,6 +77,7 @@ class PoolOffloader:
         entry = self.ledger.offload(row, lo, read_pool_all_layers(self.pool, slots, self.num_layers))
         self.table[row, lo:hi] = PLACEHOLDER_SLOT
         self.allocator.free(slots)
+        self.ledger.freed_slots += hi - lo
         held = self._reserve(entry, compressed_bytes)
         return OffloadResult(moved=hi - lo, freed=hi - lo, reserved=held)
 
