@@ -62,7 +62,8 @@ def stream_chat(url: str, body: dict, timeout: float) -> Iterator[tuple[float, d
         conn.close()
 
 
-def run_turn(args: argparse.Namespace, messages: list[dict], tools: list[dict]) -> dict:
+def run_turn(args: argparse.Namespace, messages: list[dict], tools: list[dict],
+             url: str) -> dict:
     body: dict[str, Any] = {
         "model": args.model, "messages": messages, "stream": True, "temperature": 0,
         "max_tokens": args.max_tokens, "stream_options": {"include_usage": True},
@@ -76,7 +77,7 @@ def run_turn(args: argparse.Namespace, messages: list[dict], tools: list[dict]) 
     pieces: list[str] = []
     usage: dict = {}
     finish = None
-    for t, event in stream_chat(args.url.rstrip("/") + "/v1/chat/completions", body,
+    for t, event in stream_chat(url.rstrip("/") + "/v1/chat/completions", body,
                                 args.timeout):
         if event.get("usage"):
             usage = event["usage"]
@@ -108,7 +109,9 @@ def run_session(args: argparse.Namespace, session: dict, on_turn) -> list[dict]:
         row: dict[str, Any] = {"session_id": session["session_id"], "turn": k,
                                "kind": turn.get("kind")}
         try:
-            row.update(run_turn(args, history, session.get("tools", [])))
+            # several --url: replicas without session affinity, turn k on url k mod n
+            url = args.url[k % len(args.url)]
+            row.update(run_turn(args, history, session.get("tools", []), url))
         except Exception as exc:  # noqa: BLE001 - recorded per turn; the session stops
             row["error"] = f"{type(exc).__name__}: {exc}"
             rows.append(row)
@@ -173,7 +176,8 @@ def compare(path_a: str, path_b: str) -> int:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("input", nargs="?", help="sessions JSONL from agentic_workload.py")
-    p.add_argument("--url", default="http://127.0.0.1:30000")
+    p.add_argument("--url", nargs="+", default=["http://127.0.0.1:30000"],
+                   help="server URL; several = replicas, turn k of a session goes to URL k mod n")
     p.add_argument("--model", default="default")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--sessions", type=int, default=None, help="replay only the first N")

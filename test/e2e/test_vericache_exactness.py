@@ -46,9 +46,10 @@ def reference(plain_server, prompts: list[Prompt]) -> list[Generation]:
     )
 
 
-def vericache_server(compressor: str, tmp_path: Path, draft_len: int = 4) -> SGLangServer:
+def vericache_server(compressor: str, tmp_path: Path, draft_len: int = 4,
+                     extra: tuple[str, ...] = ()) -> SGLangServer:  # fmt: skip
     args = BASE_ARGS + ["--vericache", "--vericache-compressor", compressor,
-                        "--vericache-draft-len", str(draft_len)]  # fmt: skip
+                        "--vericache-draft-len", str(draft_len), *extra]  # fmt: skip
     return SGLangServer(args, log_path=tmp_path / "vericache.log")
 
 
@@ -86,7 +87,8 @@ def test_vericache_is_token_identical(
 
 @pytest.fixture(scope="module")
 def kivi_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SGLangServer]:
-    with vericache_server("kivi:bits=4", tmp_path_factory.mktemp("kivi")) as server:
+    with vericache_server("kivi:bits=4", tmp_path_factory.mktemp("kivi"),
+                          extra=("--enable-metrics",)) as server:  # fmt: skip
         yield server
 
 
@@ -116,6 +118,46 @@ def test_prompt_kv_leaves_the_pool(kivi_server, prompts) -> None:
     stats = out["meta_info"]["vericache"]
     assert stats["host_kv_tokens"] >= out["meta_info"]["prompt_tokens"] - 32, stats
     assert 0 < stats["reserved_slots"] <= stats["host_kv_tokens"] // 3, stats
+
+
+def test_prometheus_metrics_count_verifications(kivi_server, prompts) -> None:
+    http_json(kivi_server.url + "/generate", {
+        "text": prompts[1].text, "sampling_params": {"temperature": 0, "max_new_tokens": 8},
+    })  # fmt: skip
+    with urllib.request.urlopen(kivi_server.url + "/metrics", timeout=60) as resp:
+        text = resp.read().decode()
+    values = {}
+    for line in text.splitlines():
+        if line.startswith("vericache:") and " " in line:
+            name, value = line.rsplit(" ", 1)
+            values[name.split("{")[0]] = values.get(name.split("{")[0], 0.0) + float(value)
+    assert values.get("vericache:verify_steps_total", 0) >= 1, sorted(values)
+    assert values["vericache:committed_tokens_total"] == (
+        values["vericache:accepted_tokens_total"] + values["vericache:verify_steps_total"])
+    assert values.get("vericache:accept_length_count", 0) == values["vericache:verify_steps_total"]
+    assert values.get("vericache:requests_total", 0) >= 1
+
+
+def test_meta_info_is_current_at_the_end_of_long_and_streamed_outputs(kivi_server, prompts) -> None:
+    """A verify commits several tokens per step; the counters must still reach the final
+    response (SGLang sends per-token info in pieces) and every streamed chunk."""
+    sampling = {"temperature": 0, "max_new_tokens": 96, "ignore_eos": True}
+    out = http_json(kivi_server.url + "/generate", {"text": prompts[3].text, "sampling_params": sampling})
+    stats = out["meta_info"]["vericache"]
+    assert stats["verify_steps"] == out["meta_info"]["spec_verify_ct"], stats
+    assert stats["committed"] + 1 >= 96, stats  # the first token comes from the prefill
+    body = {"text": prompts[3].text, "sampling_params": sampling, "stream": True}
+    req = urllib.request.Request(kivi_server.url + "/generate", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})  # fmt: skip
+    chunks = []
+    with urllib.request.urlopen(req, timeout=600) as resp:
+        for raw in resp:
+            line = raw.decode().strip()
+            if line.startswith("data:") and line != "data: [DONE]":
+                chunks.append(json.loads(line[5:])["meta_info"])
+    assert len(chunks) > 2 and all("vericache" in c for c in chunks), len(chunks)
+    committed = [c["vericache"]["committed"] for c in chunks]
+    assert committed == sorted(committed) and committed[-1] + 1 >= 96, committed
 
 
 def _stream_chat(url: str, content: str) -> str:

@@ -1,0 +1,134 @@
+"""How many long requests fit one device KV budget: plain SGLang vs --vericache, side by side.
+
+The budget (``--max-total-tokens``) holds ``--n-full`` requests of ``--prompt-tokens`` prompt +
+``--max-new-tokens`` output with the full KV on the device. Every server gets the same
+``--requests`` distinct prompts at once; the peak of SGLang's own ``#running-req`` (its decode
+log, every step) is the number served concurrently. VeriCache outputs are compared with plain
+SGLang's token by token, so the run also checks exactness under memory pressure.
+
+    python benchmark/capacity.py                    # N=3, 2k prompts, snapkv 4x and kivi-4
+    python benchmark/capacity.py --n-full 4 --compressors snapkv:ratio=0.25
+
+Writes benchmark/results/capacity.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from tqdm import tqdm
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from benchmark.prompts import build_prompt_set  # noqa: E402
+from sglang_vericache.exactness.server import SGLangServer, http_json  # noqa: E402
+from sglang_vericache.models import ensure_default_model  # noqa: E402
+
+RUNNING = re.compile(r"Decode batch, #running-req: (\d+)")
+SLOT_SLACK = 64  # headroom for the decode step's own slots
+
+
+def peak_running(log: Path) -> int:
+    """Largest ``#running-req`` SGLang logged for a decode batch."""
+    return max((int(m) for m in RUNNING.findall(log.read_text(errors="replace"))), default=0)
+
+
+def serve(args_list: list[str], prompts: list[dict], max_new: int, log: Path) -> dict:
+    """Start one server, send every prompt at once, return outputs, meta and the peak."""
+    with SGLangServer(args_list + ["--decode-log-interval", "1"], log_path=log) as server:
+        body = lambda p: {"text": p["text"], "sampling_params": {  # noqa: E731
+            "temperature": 0, "max_new_tokens": max_new, "ignore_eos": True}}
+        start = time.perf_counter()
+        with ThreadPoolExecutor(len(prompts)) as pool, tqdm(total=len(prompts), desc=log.stem) as bar:
+            futures = [pool.submit(http_json, server.url + "/generate", body(p)) for p in prompts]
+            outs = []
+            for f in futures:
+                outs.append(f.result())
+                bar.update()
+        wall = time.perf_counter() - start
+    return {"outputs": [o["output_ids"] for o in outs], "meta": [o["meta_info"] for o in outs],
+            "peak_running": peak_running(log), "wall_s": round(wall, 2)}  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--n-full", type=int, default=3, help="full-KV requests the budget holds")
+    ap.add_argument("--prompt-tokens", type=int, default=2048)
+    ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument("--requests", type=int, default=0, help="default: 4 x --n-full")
+    ap.add_argument("--compressors", nargs="+", default=["snapkv:ratio=0.25", "kivi:bits=4"])
+    ap.add_argument("--draft-len", type=int, default=6)
+    ap.add_argument("--out", type=Path, default=REPO / "benchmark/results/capacity")
+    args = ap.parse_args()
+
+    from transformers import AutoTokenizer
+
+    model = ensure_default_model()
+    tok = AutoTokenizer.from_pretrained(model)
+    n_req = args.requests or 4 * args.n_full
+    lo = args.prompt_tokens * 3 // 4  # the builder cannot hit an exact length for every kind
+    prompts = build_prompt_set(tok, n=n_req, min_tokens=lo, max_tokens=args.prompt_tokens, seed=11)
+    budget = args.n_full * (args.prompt_tokens + args.max_new_tokens) + SLOT_SLACK
+    base = ["--model-path", str(model), "--max-total-tokens", str(budget)]
+    logs = args.out.parent / "capacity-logs"
+    runs = {"plain": serve(base, prompts, args.max_new_tokens, logs / "plain.log")}
+    for spec in args.compressors:
+        extra = ["--vericache", "--vericache-compressor", spec,
+                 "--vericache-draft-len", str(args.draft_len)]  # fmt: skip
+        name = "vericache " + spec
+        runs[name] = serve(base + extra, prompts, args.max_new_tokens,
+                           logs / ("vericache-" + spec.replace(":", "_") + ".log"))  # fmt: skip
+    report = summarize(args, budget, n_req, runs)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
+    args.out.with_suffix(".md").write_text(markdown(report))
+    print(markdown(report))
+
+
+def summarize(args: argparse.Namespace, budget: int, n_req: int, runs: dict) -> dict:
+    ref = runs["plain"]["outputs"]
+    rows = []
+    for name, run in runs.items():
+        vc = [m.get("vericache") or {} for m in run["meta"]]
+        full = [m["prompt_tokens"] for m in run["meta"]]
+        comp = [v.get("compressed_kv_bytes", 0) for v in vc]
+        rows.append({
+            "server": name,
+            "peak_running": run["peak_running"],
+            "vs_n_full": round(run["peak_running"] / args.n_full, 2),
+            "identical_to_plain": sum(a == b for a, b in zip(run["outputs"], ref)),
+            "requests": n_req,
+            "wall_s": run["wall_s"],
+            "mean_accept_len": round(sum(v.get("mean_accept_len", 0) for v in vc) / n_req, 2),
+            "mean_prompt_tokens": round(sum(full) / n_req),
+            "mean_compressed_kv_bytes": round(sum(comp) / n_req),
+        })  # fmt: skip
+    return {"budget_tokens": budget, "n_full": args.n_full, "prompt_tokens": args.prompt_tokens,
+            "max_new_tokens": args.max_new_tokens, "draft_len": args.draft_len, "rows": rows}  # fmt: skip
+
+
+def markdown(report: dict) -> str:
+    lines = [
+        f"Device KV budget `--max-total-tokens {report['budget_tokens']}` = "
+        f"{report['n_full']} x ({report['prompt_tokens']} prompt + {report['max_new_tokens']} "
+        f"output) tokens of full KV; all requests sent at once.",
+        "",
+        "| server | peak concurrent | x N | identical to plain | wall s | accept len |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in report["rows"]:
+        lines.append(f"| {r['server']} | {r['peak_running']} | {r['vs_n_full']} | "
+                     f"{r['identical_to_plain']}/{r['requests']} | {r['wall_s']} | "
+                     f"{r['mean_accept_len']} |")  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,128 @@
+"""Agent sessions on two replicas: recompute vs fetch from the throttled KV server, per turn.
+
+Multi-turn agent sessions (``scripts/agentic_workload.py``: long system prompt + tool schemas +
+growing history, ~90% prefix reuse per turn) replayed with turn k on replica k mod 2
+(``scripts/replay_agentic.py``: no session affinity, so each turn's prefix was computed on the
+*other* replica). Side by side, same sessions, greedy:
+
+- ``single server``: plain SGLang, every turn on one server (the prefix is on the device);
+- ``replicas, recompute``: two plain SGLang servers: the other replica's prefix is recomputed;
+- ``replicas, remote tier``: two ``--vericache --vericache-tier zmq://`` servers sharing one
+  KV server throttled to ``--bandwidth-mbps`` (default 100 MB/s): the prefix is fetched.
+
+    python benchmark/remote_prefix.py            # 2 sessions x 5 turns, 64 tokens per answer
+
+Writes benchmark/results/remote_prefix.{json,md}: median TTFT and end-to-end latency per turn,
+the ratios, and whether every configuration produced the same answers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from contextlib import ExitStack
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from sglang_vericache.exactness.server import SGLangServer  # noqa: E402
+from sglang_vericache.models import ensure_default_model  # noqa: E402
+from sglang_vericache.tier.process import ServerProcess  # noqa: E402
+
+
+def replay(urls: list[str], sessions: Path, out: Path, args: argparse.Namespace) -> dict:
+    cmd = [sys.executable, str(REPO / "scripts/replay_agentic.py"), str(sessions), "--url", *urls,
+           "--max-tokens", str(args.max_tokens), "--ignore-eos", "-o", str(out)]  # fmt: skip
+    subprocess.run(cmd, check=True)
+    return json.loads(out.read_text())
+
+
+def per_turn(result: dict) -> dict[int, dict]:
+    turns: dict[int, list[dict]] = {}
+    for row in result["turns"]:
+        turns.setdefault(row["turn"], []).append(row)
+    return {k: {"ttft_s": statistics.median(r["ttft_s"] for r in rows),
+                "e2e_s": statistics.median(r["e2e_s"] for r in rows),
+                "prompt_tokens": statistics.median(r["prompt_tokens"] or 0 for r in rows)}
+            for k, rows in sorted(turns.items())}  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--sessions", type=int, default=2)
+    ap.add_argument("--turns", type=int, default=5)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--bandwidth-mbps", type=float, default=100.0)
+    ap.add_argument("--out", type=Path, default=REPO / "benchmark/results/remote_prefix")
+    args = ap.parse_args()
+    model = ensure_default_model()
+    work = Path(tempfile.mkdtemp(prefix="remote-prefix-"))
+    sessions = work / "sessions.jsonl"
+    subprocess.run([sys.executable, str(REPO / "scripts/agentic_workload.py"), "--sessions",
+                    str(args.sessions), "--turns", str(args.turns), "--answer-tokens",
+                    str(args.max_tokens), "--tokenizer", str(model / "tokenizer.json"),
+                    "-o", str(sessions)], check=True)  # fmt: skip
+    base = ["--model-path", str(model), "--max-total-tokens", "32768", "--enable-cache-report"]
+    runs = {}
+    with SGLangServer(base, log_path=work / "single.log") as one:
+        runs["single server (prefix on device)"] = replay([one.url], sessions, work / "single.json", args)
+    with ExitStack() as stack:
+        a, b = (stack.enter_context(SGLangServer(base, log_path=work / f"plain-{n}.log")) for n in "ab")
+        runs["replicas, recompute"] = replay([a.url, b.url], sessions, work / "recompute.json", args)
+    with ExitStack() as stack:
+        kv = stack.enter_context(ServerProcess("--bandwidth-mbps", str(args.bandwidth_mbps),
+                                               capacity_gb=4.0))  # fmt: skip
+        extra = ["--vericache", "--vericache-tier", kv.spec]
+        a, b = (stack.enter_context(SGLangServer(base + extra, log_path=work / f"vc-{n}.log"))
+                for n in "ab")  # fmt: skip
+        runs["replicas, remote tier (VeriCache)"] = replay([a.url, b.url], sessions,
+                                                           work / "remote.json", args)  # fmt: skip
+    report = summarize(runs, args)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
+    args.out.with_suffix(".md").write_text(markdown(report))
+    print(markdown(report))
+
+
+def summarize(runs: dict[str, dict], args: argparse.Namespace) -> dict:
+    hashes = {name: [r["output_sha256"] for r in run["turns"]] for name, run in runs.items()}
+    first = next(iter(hashes.values()))
+    return {
+        "sessions": args.sessions, "turns": args.turns, "max_tokens": args.max_tokens,
+        "bandwidth_mb_s": args.bandwidth_mbps,
+        "identical_outputs": {name: h == first for name, h in hashes.items()},
+        "per_turn": {name: per_turn(run) for name, run in runs.items()},
+        "cached_tokens": {name: [r.get("cached_tokens") for r in run["turns"]]
+                          for name, run in runs.items()},  # fmt: skip
+    }  # fmt: skip
+
+
+def markdown(report: dict) -> str:
+    names = list(report["per_turn"])
+    rec, remote = names[1], names[2]
+    lines = [f"{report['sessions']} agent sessions x {report['turns']} turns, "
+             f"{report['max_tokens']} tokens per answer; turn k on replica k mod 2; "
+             f"KV server throttled to {report['bandwidth_mb_s']:g} MB/s.", "",
+             "| turn | prompt tokens | " + " | ".join(f"TTFT s: {n}" for n in names)
+             + " | TTFT recompute / remote | E2E recompute / remote |",
+             "|---" * (len(names) + 4) + "|"]  # fmt: skip
+    for k in report["per_turn"][names[0]]:
+        row = [report["per_turn"][n][str(k)] if str(k) in report["per_turn"][n]
+               else report["per_turn"][n][k] for n in names]  # fmt: skip
+        r, v = row[1], row[2]
+        lines.append(f"| {k} | {row[0]['prompt_tokens']:.0f} | "
+                     + " | ".join(f"{x['ttft_s']:.2f}" for x in row)
+                     + f" | {r['ttft_s'] / v['ttft_s']:.2f}x | {r['e2e_s'] / v['e2e_s']:.2f}x |")  # fmt: skip
+    same = ", ".join(f"{n}: {'yes' if ok else 'NO'}" for n, ok in report["identical_outputs"].items())
+    lines += ["", f"Same answers as the single server: {same}.",
+              f"Ratios compare `{rec}` with `{remote}`."]  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
