@@ -1,15 +1,18 @@
-"""How many long requests fit one device KV budget: plain SGLang vs --vericache, side by side.
+"""How many long requests fit one device KV budget, and how fast: plain SGLang vs --vericache.
 
-The budget (``--max-total-tokens``) holds ``--n-full`` requests of ``--prompt-tokens`` prompt +
+Each budget (``--max-total-tokens``) holds ``--n-full`` requests of ``--prompt-tokens`` prompt +
 ``--max-new-tokens`` output with the full KV on the device. Every server gets the same
 ``--requests`` distinct prompts at once; the peak of SGLang's own ``#running-req`` (its decode
-log, every step) is the number served concurrently. VeriCache outputs are compared with plain
-SGLang's token by token, so the run also checks exactness under memory pressure.
+log, every step) is the number served concurrently, and output tokens / wall time the
+throughput. VeriCache outputs are compared with plain SGLang's token by token, so the run also
+checks exactness under memory pressure. Several ``--n-full`` values sweep the budget from tight
+to ample (the paper's Fig. 13 analogue).
 
-    python benchmark/capacity.py                    # N=3, 2k prompts, snapkv 4x and kivi-4
-    python benchmark/capacity.py --n-full 4 --compressors snapkv:ratio=0.25
+    python benchmark/capacity.py --max-new-tokens 256          # N=3: snapkv 4x and kivi-4
+    python benchmark/capacity.py --max-new-tokens 128 --n-full 2 3 6 12 --requests 12 \
+        --compressors snapkv:ratio=0.25 --out benchmark/results/budget_sweep
 
-Writes benchmark/results/capacity.{json,md}.
+Writes OUT.{json,md} (and OUT.png for a sweep); default OUT benchmark/results/capacity.
 """
 
 from __future__ import annotations
@@ -59,10 +62,11 @@ def serve(args_list: list[str], prompts: list[dict], max_new: int, log: Path) ->
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--n-full", type=int, default=3, help="full-KV requests the budget holds")
+    ap.add_argument("--n-full", type=int, nargs="+", default=[3],
+                    help="full-KV requests each budget holds (several: a budget sweep)")
     ap.add_argument("--prompt-tokens", type=int, default=2048)
     ap.add_argument("--max-new-tokens", type=int, default=32)
-    ap.add_argument("--requests", type=int, default=0, help="default: 4 x --n-full")
+    ap.add_argument("--requests", type=int, default=0, help="default: 4 x the largest --n-full")
     ap.add_argument("--compressors", nargs="+", default=["snapkv:ratio=0.25", "kivi:bits=4"])
     ap.add_argument("--draft-len", type=int, default=6)
     ap.add_argument("--out", type=Path, default=REPO / "benchmark/results/capacity")
@@ -72,28 +76,60 @@ def main() -> None:
 
     model = ensure_default_model()
     tok = AutoTokenizer.from_pretrained(model)
-    n_req = args.requests or 4 * args.n_full
+    n_req = args.requests or 4 * max(args.n_full)
     lo = args.prompt_tokens * 3 // 4  # the builder cannot hit an exact length for every kind
     prompts = build_prompt_set(tok, n=n_req, min_tokens=lo, max_tokens=args.prompt_tokens, seed=11)
-    budget = args.n_full * (args.prompt_tokens + args.max_new_tokens) + SLOT_SLACK
-    base = ["--model-path", str(model), "--max-total-tokens", str(budget)]
-    logs = args.out.parent / "capacity-logs"
-    runs = {"plain": serve(base, prompts, args.max_new_tokens, logs / "plain.log")}
-    for spec in args.compressors:
-        extra = ["--vericache", "--vericache-compressor", spec,
-                 "--vericache-draft-len", str(args.draft_len)]  # fmt: skip
-        name = "vericache " + spec
-        runs[name] = serve(base + extra, prompts, args.max_new_tokens,
-                           logs / ("vericache-" + spec.replace(":", "_") + ".log"))  # fmt: skip
-    report = summarize(args, budget, n_req, runs)
+    reports = []
+    for n_full in args.n_full:
+        budget = n_full * (args.prompt_tokens + args.max_new_tokens) + SLOT_SLACK
+        base = ["--model-path", str(model), "--max-total-tokens", str(budget)]
+        logs = args.out.parent / f"{args.out.name}-logs" / f"n{n_full}"
+        runs = {"plain": serve(base, prompts, args.max_new_tokens, logs / "plain.log")}
+        for spec in args.compressors:
+            extra = ["--vericache", "--vericache-compressor", spec,
+                     "--vericache-draft-len", str(args.draft_len)]  # fmt: skip
+            runs["vericache " + spec] = serve(
+                base + extra, prompts, args.max_new_tokens,
+                logs / ("vericache-" + spec.replace(":", "_") + ".log"),
+            )  # fmt: skip
+        reports.append(summarize(args, n_full, budget, n_req, runs))
     args.out.parent.mkdir(parents=True, exist_ok=True)
+    report = reports[0] if len(reports) == 1 else {"sweep": reports}
     args.out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
-    args.out.with_suffix(".md").write_text(markdown(report))
-    print(markdown(report))
+    text = "\n".join(markdown(r) for r in reports)
+    args.out.with_suffix(".md").write_text(text)
+    if len(reports) > 1:
+        plot_sweep(reports, args.out.with_suffix(".png"))
+    print(text)
 
 
-def summarize(args: argparse.Namespace, budget: int, n_req: int, runs: dict) -> dict:
+def plot_sweep(reports: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    names = [r["server"] for r in reports[0]["rows"] if r["server"] != "plain"]
+    budgets = [r["n_full"] for r in reports]
+    for name in names:
+        ratio = [next(x["throughput_vs_plain"] for x in r["rows"] if x["server"] == name)
+                 for r in reports]  # fmt: skip
+        ax.plot(budgets, ratio, marker="o", label=name)
+    ax.axhline(1.0, color="gray", lw=0.8, ls="--")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(budgets, [str(b) for b in budgets])
+    ax.set_xlabel("device KV budget (full-KV requests it holds)")
+    ax.set_ylabel("throughput vs plain SGLang")
+    ax.set_title("VeriCache vs plain SGLang across KV budgets (CPU, fp32)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def summarize(args: argparse.Namespace, n_full: int, budget: int, n_req: int, runs: dict) -> dict:
     ref = runs["plain"]["outputs"]
+    plain_tps = sum(len(o) for o in ref) / runs["plain"]["wall_s"]
     rows = []
     for name, run in runs.items():
         vc = [m.get("vericache") or {} for m in run["meta"]]
@@ -102,7 +138,10 @@ def summarize(args: argparse.Namespace, budget: int, n_req: int, runs: dict) -> 
         rows.append({
             "server": name,
             "peak_running": run["peak_running"],
-            "vs_n_full": round(run["peak_running"] / args.n_full, 2),
+            "vs_n_full": round(run["peak_running"] / n_full, 2),
+            "output_tokens_per_s": round(sum(len(o) for o in run["outputs"]) / run["wall_s"], 2),
+            "throughput_vs_plain": round(
+                sum(len(o) for o in run["outputs"]) / run["wall_s"] / plain_tps, 2),
             "identical_to_plain": sum(a == b for a, b in zip(run["outputs"], ref)),
             "requests": n_req,
             "wall_s": run["wall_s"],
@@ -110,7 +149,7 @@ def summarize(args: argparse.Namespace, budget: int, n_req: int, runs: dict) -> 
             "mean_prompt_tokens": round(sum(full) / n_req),
             "mean_compressed_kv_bytes": round(sum(comp) / n_req),
         })  # fmt: skip
-    return {"budget_tokens": budget, "n_full": args.n_full, "prompt_tokens": args.prompt_tokens,
+    return {"budget_tokens": budget, "n_full": n_full, "prompt_tokens": args.prompt_tokens,
             "max_new_tokens": args.max_new_tokens, "draft_len": args.draft_len, "rows": rows}  # fmt: skip
 
 
@@ -120,12 +159,14 @@ def markdown(report: dict) -> str:
         f"{report['n_full']} x ({report['prompt_tokens']} prompt + {report['max_new_tokens']} "
         f"output) tokens of full KV; all requests sent at once.",
         "",
-        "| server | peak concurrent | x N | identical to plain | wall s | accept len |",
-        "|---|---|---|---|---|---|",
+        "| server | peak concurrent | x N | identical to plain | wall s | output tok/s | "
+        "throughput vs plain | accept len |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in report["rows"]:
         lines.append(f"| {r['server']} | {r['peak_running']} | {r['vs_n_full']} | "
                      f"{r['identical_to_plain']}/{r['requests']} | {r['wall_s']} | "
+                     f"{r['output_tokens_per_s']} | {r['throughput_vs_plain']}x | "
                      f"{r['mean_accept_len']} |")  # fmt: skip
     return "\n".join(lines) + "\n"
 

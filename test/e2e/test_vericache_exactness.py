@@ -46,7 +46,7 @@ def reference(plain_server, prompts: list[Prompt]) -> list[Generation]:
     )
 
 
-def vericache_server(compressor: str, tmp_path: Path, draft_len: int = 4,
+def vericache_server(compressor: str, tmp_path: Path, draft_len: int | str = 4,
                      extra: tuple[str, ...] = ()) -> SGLangServer:  # fmt: skip
     args = BASE_ARGS + ["--vericache", "--vericache-compressor", compressor,
                         "--vericache-draft-len", str(draft_len), *extra]  # fmt: skip
@@ -68,16 +68,16 @@ def assert_drafted(url: str, prompt: Prompt) -> None:
 
 
 @pytest.mark.parametrize(
-    "compressor, concurrency",
+    "compressor, concurrency, draft_len",
     [
-        ("streaming:sink=4,window=60", 1),  # aggressive dropping: many rejections and rollbacks
-        ("snapkv:ratio=0.5+kivi:bits=2", 4),  # composition, low-bit: exercises partial accepts
+        ("streaming:sink=4,window=60", 1, 4),  # aggressive dropping: many rejections, rollbacks
+        ("snapkv:ratio=0.5+kivi:bits=2", 4, "auto"),  # composition, low-bit, adaptive width
     ],
 )
 def test_vericache_is_token_identical(
-    compressor: str, concurrency: int, prompts, reference, tmp_path: Path
+    compressor: str, concurrency: int, draft_len, prompts, reference, tmp_path: Path
 ) -> None:
-    with vericache_server(compressor, tmp_path) as server:
+    with vericache_server(compressor, tmp_path, draft_len) as server:
         candidate = generate_all(
             server.url, prompts, max_new_tokens=MAX_NEW_TOKENS, concurrency=concurrency
         )

@@ -14,7 +14,7 @@ from sglang.srt.speculative.spec_registry import CustomSpecAlgo
 
 ALGORITHM = "VERICACHE"
 BACKEND_NAME = "vericache"
-AUTO_DRAFT_LEN = 8  # drafts per verify for --vericache-draft-len auto (until the adaptive policy)
+AUTO_DRAFT_LEN = 16  # most drafts per verify with --vericache-draft-len auto (srt/draft_length.py)
 
 
 class VeriCacheAlgo(CustomSpecAlgo):

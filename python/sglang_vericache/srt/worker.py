@@ -22,6 +22,7 @@ logprobs) makes the step a plain one-token decode with SGLang's own sampler.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import torch
@@ -32,6 +33,7 @@ from sglang.srt.speculative.ngram_info import NgramVerifyInput
 
 from sglang_vericache.compress import Full, build_compressor
 from sglang_vericache.srt.attention import DraftViews, QueryCapture, VeriCacheAttnBackend
+from sglang_vericache.srt.draft_length import DraftLengthController
 from sglang_vericache.srt.draft_state import RequestDraftState
 from sglang_vericache.srt.eligibility import plain_reason
 from sglang_vericache.srt.offload import read_pool_kv
@@ -62,6 +64,9 @@ class VeriCacheWorker(BaseSpecWorker):
         self.states: dict[str, RequestDraftState] = {}
         self.plain: dict[str, VeriCacheStats] = {}
         self._offloader: PoolOffloader | None = None
+        self.draft_length = DraftLengthController(
+            self.config.draft_len, self.speculative_num_draft_tokens - 1
+        )
         self.metrics = None
         if server_args.enable_metrics:
             from sglang_vericache.srt.metrics import VeriCacheExporter
@@ -158,13 +163,14 @@ class VeriCacheWorker(BaseSpecWorker):
         live = {r.rid for r in batch.reqs}
         if not batch.forward_mode.is_decode():
             return  # a prefill batch holds only the newly admitted requests
-        for table in (self.states, self.plain):
+        for table in (self.states, self.plain, self.draft_length.estimates):
             for rid in [rid for rid in table if rid not in live]:
                 del table[rid]  # left the decode batch: finished, aborted or retracted
 
     def note_request_finished(self, *, rid: str, natural_stop: bool) -> None:
         self.states.pop(rid, None)
         self.plain.pop(rid, None)
+        self.draft_length.forget(rid)
 
     def _result(self, batch, next_token_ids, accept_lens, new_seq_lens, logits_output):
         width = self.speculative_num_draft_tokens
@@ -276,12 +282,15 @@ class VeriCacheWorker(BaseSpecWorker):
             self.attn.draft = None
 
     def _verify_step(self, batch):
-        width = self.speculative_num_draft_tokens
+        left = [r.sampling_params.max_new_tokens - len(r.output_ids) for r in batch.reqs]
+        width = 1 + self.draft_length.drafts_for([r.rid for r in batch.reqs], left)
         bs = len(batch.reqs)
         base = batch.seq_lens_cpu.clone()
         rows = torch.empty(bs, width, dtype=torch.int64, device=self.device)
         rows[:, 0] = self._last_tokens(batch)
+        started = time.perf_counter()
         self._draft(batch, base, rows)
+        self.draft_length.time_draft_step((time.perf_counter() - started) / max(1, width - 1))
 
         table = self.model_runner.req_to_token_pool.req_to_token
         offsets = torch.arange(width, device=self.device)
@@ -296,10 +305,12 @@ class VeriCacheWorker(BaseSpecWorker):
             new_seq_lens=batch.seq_lens,
         )  # fmt: skip
         self.attn.capture = QueryCapture(width)
+        started = time.perf_counter()
         try:
             out = self.target_worker.forward_batch_generation(batch, is_verify=True)
         finally:
             capture, self.attn.capture = self.attn.capture, None
+        self.draft_length.time_verify(time.perf_counter() - started)
         predict = out.logits_output.next_token_logits.argmax(-1).view(bs, width)
         accepted = greedy_accept(rows, predict)
         accept_lens = accepted.accept_lens
@@ -315,11 +326,15 @@ class VeriCacheWorker(BaseSpecWorker):
             record = VerifyRecord(drafted=width - 1, committed=n, bytes_fetched=fetched,
                                   wait_full_s=0.0)  # fmt: skip
             state.stats.record(record)
+            self.draft_length.observe(req.rid, width - 1, n - 1)
             if self.metrics is not None:
                 self.metrics.observe_verify(record)
             self._offload(req, row, int(base[i]) + n, state)
         new_seq_lens = (base + accept_lens.cpu()).to(self.device)
-        return self._result(batch, predict.flatten(), accept_lens, new_seq_lens,
+        tokens = torch.zeros(bs, self.speculative_num_draft_tokens, dtype=torch.int64,
+                             device=self.device)  # SGLang's rows are the allocated width
+        tokens[:, :width] = predict
+        return self._result(batch, tokens.flatten(), accept_lens, new_seq_lens,
                             out.logits_output)  # fmt: skip
 
     def _meta_info(self, rid: str, row: int) -> dict[str, Any]:
