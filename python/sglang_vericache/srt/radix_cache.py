@@ -181,6 +181,9 @@ def _open_remote(ctx: Any, num_layers: int) -> RemotePrefixLink | None:
     tier = vericache_config(ctx.server_args).tier
     if tier.kind is TierKind.HOST:
         return None
+    if ctx.tp_size > 1:  # keys would need the rank, readiness an all-reduce (not built)
+        raise ValueError(f"--vericache-tier {tier} supports --tp-size 1 only; use "
+                         "--vericache-tier host with tensor parallelism")  # fmt: skip
     keys = ctx.params.token_to_kv_pool_allocator.get_kvcache().get_key_buffer(0)
     model_id = Path(str(ctx.server_args.model_path)).name or str(ctx.server_args.model_path)
     geometry = KVGeometry.from_torch_dtype(
