@@ -147,32 +147,28 @@ def test_meta_info_is_current_at_the_end_of_long_and_streamed_outputs(kivi_serve
     assert stats["verify_steps"] == out["meta_info"]["spec_verify_ct"], stats
     assert stats["committed"] + 1 >= 96, stats  # the first token comes from the prefill
     body = {"text": prompts[3].text, "sampling_params": sampling, "stream": True}
-    req = urllib.request.Request(kivi_server.url + "/generate", json.dumps(body).encode(),
-                                 {"Content-Type": "application/json"})  # fmt: skip
-    chunks = []
-    with urllib.request.urlopen(req, timeout=600) as resp:
-        for raw in resp:
-            line = raw.decode().strip()
-            if line.startswith("data:") and line != "data: [DONE]":
-                chunks.append(json.loads(line[5:])["meta_info"])
+    chunks = [event["meta_info"] for event in _sse(kivi_server.url + "/generate", body)]
     assert len(chunks) > 2 and all("vericache" in c for c in chunks), len(chunks)
     committed = [c["vericache"]["committed"] for c in chunks]
     assert committed == sorted(committed) and committed[-1] + 1 >= 96, committed
 
 
-def _stream_chat(url: str, content: str) -> str:
-    body = {"model": "default", "messages": [{"role": "user", "content": content}],
-            "temperature": 0, "max_tokens": 40, "stream": True}  # fmt: skip
-    req = urllib.request.Request(url + "/v1/chat/completions", json.dumps(body).encode(),
+def _sse(url: str, body: dict) -> Iterator[dict]:
+    """POST ``body`` and yield each server-sent event's JSON until [DONE]."""
+    req = urllib.request.Request(url, json.dumps(body).encode(),
                                  {"Content-Type": "application/json"})  # fmt: skip
-    text = []
     with urllib.request.urlopen(req, timeout=600) as resp:
         for raw in resp:
             line = raw.decode().strip()
             if line.startswith("data:") and line != "data: [DONE]":
-                delta = json.loads(line[5:])["choices"][0]["delta"]
-                text.append(delta.get("content") or "")
-    return "".join(text)
+                yield json.loads(line[5:])
+
+
+def _stream_chat(url: str, content: str) -> str:
+    body = {"model": "default", "messages": [{"role": "user", "content": content}],
+            "temperature": 0, "max_tokens": 40, "stream": True}  # fmt: skip
+    events = _sse(url + "/v1/chat/completions", body)
+    return "".join(e["choices"][0]["delta"].get("content") or "" for e in events)
 
 
 def test_streamed_chat_matches_plain(kivi_server, plain_server) -> None:
