@@ -37,7 +37,8 @@ from sglang_vericache.tier.process import ServerProcess  # noqa: E402
 
 def replay(urls: list[str], sessions: Path, out: Path, args: argparse.Namespace) -> dict:
     cmd = [sys.executable, str(REPO / "scripts/replay_agentic.py"), str(sessions), "--url", *urls,
-           "--max-tokens", str(args.max_tokens), "--ignore-eos", "-o", str(out)]  # fmt: skip
+           "--max-tokens", str(args.max_tokens), "--ignore-eos", "--think-s", str(args.think_s),
+           "-o", str(out)]  # fmt: skip
     subprocess.run(cmd, check=True)
     return json.loads(out.read_text())
 
@@ -48,7 +49,8 @@ def per_turn(result: dict) -> dict[int, dict]:
         turns.setdefault(row["turn"], []).append(row)
     return {k: {"ttft_s": statistics.median(r["ttft_s"] for r in rows),
                 "e2e_s": statistics.median(r["e2e_s"] for r in rows),
-                "prompt_tokens": statistics.median(r["prompt_tokens"] or 0 for r in rows)}
+                "prompt_tokens": statistics.median(r["prompt_tokens"] or 0 for r in rows),
+                "cached": statistics.median(r.get("cached_tokens") or 0 for r in rows)}
             for k, rows in sorted(turns.items())}  # fmt: skip
 
 
@@ -58,6 +60,8 @@ def main() -> None:
     ap.add_argument("--turns", type=int, default=5)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--bandwidth-mbps", type=float, default=100.0)
+    ap.add_argument("--think-s", type=float, default=3.0,
+                    help="agent tool time between turns (the previous turn's write-through lands)")
     ap.add_argument("--out", type=Path, default=REPO / "benchmark/results/remote_prefix")
     args = ap.parse_args()
     model = ensure_default_model()
@@ -94,7 +98,7 @@ def summarize(runs: dict[str, dict], args: argparse.Namespace) -> dict:
     first = next(iter(hashes.values()))
     return {
         "sessions": args.sessions, "turns": args.turns, "max_tokens": args.max_tokens,
-        "bandwidth_mb_s": args.bandwidth_mbps,
+        "bandwidth_mb_s": args.bandwidth_mbps, "think_s": args.think_s,
         "identical_outputs": {name: h == first for name, h in hashes.items()},
         "per_turn": {name: per_turn(run) for name, run in runs.items()},
         "cached_tokens": {name: [r.get("cached_tokens") for r in run["turns"]]
@@ -106,17 +110,22 @@ def markdown(report: dict) -> str:
     names = list(report["per_turn"])
     rec, remote = names[1], names[2]
     lines = [f"{report['sessions']} agent sessions x {report['turns']} turns, "
-             f"{report['max_tokens']} tokens per answer; turn k on replica k mod 2; "
+             f"{report['max_tokens']} tokens per answer, {report['think_s']:g} s between turns; "
+             f"turn k on replica k mod 2; "
              f"KV server throttled to {report['bandwidth_mb_s']:g} MB/s.", "",
              "| turn | prompt tokens | " + " | ".join(f"TTFT s: {n}" for n in names)
              + " | TTFT recompute / remote | E2E recompute / remote |",
              "|---" * (len(names) + 4) + "|"]  # fmt: skip
+    lines[2] = lines[2].replace(" | TTFT recompute", " | cached tokens (recompute / remote) | TTFT recompute")
+    lines[3] += "---|"
     for k in report["per_turn"][names[0]]:
         row = [report["per_turn"][n][str(k)] if str(k) in report["per_turn"][n]
                else report["per_turn"][n][k] for n in names]  # fmt: skip
         r, v = row[1], row[2]
+        cached = " / ".join(f"{report['per_turn'][n][str(k) if str(k) in report['per_turn'][n] else k]['cached']:.0f}"
+                            for n in names[1:])  # fmt: skip
         lines.append(f"| {k} | {row[0]['prompt_tokens']:.0f} | "
-                     + " | ".join(f"{x['ttft_s']:.2f}" for x in row)
+                     + " | ".join(f"{x['ttft_s']:.2f}" for x in row) + f" | {cached}"
                      + f" | {r['ttft_s'] / v['ttft_s']:.2f}x | {r['e2e_s'] / v['e2e_s']:.2f}x |")  # fmt: skip
     same = ", ".join(f"{n}: {'yes' if ok else 'NO'}" for n, ok in report["identical_outputs"].items())
     lines += ["", f"Same answers as the single server: {same}.",

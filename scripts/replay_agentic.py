@@ -105,6 +105,8 @@ def run_session(args: argparse.Namespace, session: dict, on_turn) -> list[dict]:
     rows: list[dict] = []
     prev_total = None
     for k, turn in enumerate(session["turns"][: args.turns]):
+        if k and args.think_s:
+            time.sleep(args.think_s)  # the agent runs its tools before the next turn
         history.extend(dict(m) for m in turn["append"])
         row: dict[str, Any] = {"session_id": session["session_id"], "turn": k,
                                "kind": turn.get("kind")}
@@ -183,6 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sessions", type=int, default=None, help="replay only the first N")
     p.add_argument("--turns", type=int, default=None, help="replay only the first N turns")
     p.add_argument("--concurrency", type=int, default=1, help="sessions in flight at once")
+    p.add_argument("--think-s", type=float, default=0.0,
+                   help="seconds between a turn's answer and the next turn (tool execution)")
     p.add_argument("--timeout", type=float, default=600.0, help="per-request socket timeout")
     p.add_argument("--send-tools", action="store_true",
                    help="also send the tool schemas in the request's 'tools' field")
