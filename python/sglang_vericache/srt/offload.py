@@ -167,6 +167,14 @@ def read_pool_all_layers(pool: Any, slots: Tensor, num_layers: int) -> Tensor:
     return torch.stack([torch.stack(read_pool_kv(pool, layer, slots)) for layer in range(num_layers)])
 
 
+def write_pool_all_layers(pool: Any, slots: Tensor, kv: Tensor) -> None:
+    """kv ([L, 2, H_kv, n, D], any device) into pool ``slots`` ([n]) of every layer."""
+    for layer in range(kv.shape[0]):
+        dst_k, dst_v = pool.get_key_buffer(layer), pool.get_value_buffer(layer)
+        dst_k[slots] = kv[layer, 0].transpose(0, 1).to(dst_k.device, dst_k.dtype)
+        dst_v[slots] = kv[layer, 1].transpose(0, 1).to(dst_v.device, dst_v.dtype)
+
+
 def ledger_for(req_to_token_pool: Any) -> OffloadLedger:
     """The ledger shared by everything that uses ``req_to_token_pool`` (created on first use)."""
     ledger = getattr(req_to_token_pool, _LEDGER_ATTR, None)

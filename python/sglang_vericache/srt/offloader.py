@@ -27,6 +27,7 @@ from sglang_vericache.srt.offload import (
     ledger_for,
     read_pool_all_layers,
     slot_bytes,
+    write_pool_all_layers,
 )
 
 logger = logging.getLogger(__name__)
@@ -34,10 +35,9 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class OffloadResult:
-    """What one ``offload`` call did: tokens moved to the host, slots freed and held."""
+    """What one ``offload`` call did: tokens moved to the host (their slots freed), slots held."""
 
     moved: int = 0
-    freed: int = 0
     reserved: int = 0
 
 
@@ -79,7 +79,7 @@ class PoolOffloader:
         self.allocator.free(slots)
         self.ledger.freed_slots += hi - lo
         held = self._reserve(entry, compressed_bytes)
-        return OffloadResult(moved=hi - lo, freed=hi - lo, reserved=held)
+        return OffloadResult(moved=hi - lo, reserved=held)
 
     def _reserve(self, entry: Any, compressed_bytes: int) -> int:
         """Hold pool slots worth ``compressed_bytes`` for the row (its share of the budget)."""
@@ -112,12 +112,8 @@ class PoolOffloader:
             slots = self.allocator.alloc(n)
         if slots is None:
             return False
-        kv = entry.host.restore()
         slots = slots.to(torch.int64)
-        for layer in range(self.num_layers):
-            device = self.pool.get_key_buffer(layer).device
-            self.pool.get_key_buffer(layer)[slots] = kv[layer, 0].transpose(0, 1).to(device)
-            self.pool.get_value_buffer(layer)[slots] = kv[layer, 1].transpose(0, 1).to(device)
+        write_pool_all_layers(self.pool, slots, entry.host.restore())
         self.table[row, entry.lo : entry.hi] = slots.to(self.table.dtype)
         self.ledger.release(row)
         return True

@@ -37,6 +37,7 @@ from sglang.srt.mem_cache.base_prefix_cache import (
 from sglang.srt.mem_cache.radix_cache import RadixCache
 
 from sglang_vericache.srt.eligibility import plain_reason
+from sglang_vericache.srt.offload import write_pool_all_layers
 from sglang_vericache.srt.offloader import PoolOffloader
 from sglang_vericache.srt.remote_prefix import RemotePrefixLink
 
@@ -132,7 +133,7 @@ class VeriCacheRadixCache(RadixCache):
             slots = self.token_to_kv_pool_allocator.alloc(n)
         if slots is None:
             return 0, node
-        self._write_pool(slots, kv[..., :n, :])
+        write_pool_all_layers(self.offloader.pool, slots, kv[..., :n, :])
         key = _match_key(req)[: start + n]
         prefix = self.path_device_indices(node)[:start].to(slots.device)
         inserted = self.insert(InsertParams(key=key, value=torch.cat([prefix, slots])))
@@ -141,14 +142,6 @@ class VeriCacheRadixCache(RadixCache):
             self.token_to_kv_pool_allocator.free(slots[:duplicates])
         new_node = super().match_prefix(MatchPrefixParams(key=key)).last_device_node
         return n, new_node
-
-    def _write_pool(self, slots: torch.Tensor, kv: torch.Tensor) -> None:
-        """kv: [L, 2, H_kv, n, D] into pool slots [n] of every layer."""
-        pool = self.offloader.pool
-        for layer in range(kv.shape[0]):
-            dst_k, dst_v = pool.get_key_buffer(layer), pool.get_value_buffer(layer)
-            dst_k[slots] = kv[layer, 0].transpose(0, 1).to(dst_k.device, dst_k.dtype)
-            dst_v[slots] = kv[layer, 1].transpose(0, 1).to(dst_v.device, dst_v.dtype)
 
     def reset(self) -> None:
         for row in list(self.offloader.ledger.rows):
