@@ -64,25 +64,38 @@ def main() -> int:
         subprocess.run([sys.executable, str(REPO / "benchmark/prompts.py"), str(prompts),
                         "--n", str(args.n)], check=True)  # fmt: skip
     runs = [(spec, conc) for conc in args.concurrency for spec in args.compressors]
-    rows = []
+    rows, commit = earlier_rows(), short_commit()
     for spec, conc in tqdm(runs, desc="exactness sweep"):
-        rows.append(run_one(spec, conc, args, prompts))
-        tqdm.write(json.dumps(rows[-1]))
+        row = {**run_one(spec, conc, args, prompts), "commit": commit}
+        tqdm.write(json.dumps(row))
+        rows = [r for r in rows if (r["compressor"], r["concurrency"]) != (spec, conc)] + [row]
         write_table(rows, args)
     return 0 if all(r["status"] == "identical" for r in rows) else 1
 
 
+def earlier_rows() -> list[dict]:
+    """Rows of earlier sweeps, so that running one concurrency keeps the other's results."""
+    path = OUT / "sweep.json"
+    return json.loads(path.read_text()) if path.exists() else []
+
+
+def short_commit() -> str:
+    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
+                          capture_output=True, text=True).stdout.strip()  # fmt: skip
+
+
 def write_table(rows: list[dict], args: argparse.Namespace) -> None:
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
-                            capture_output=True, text=True).stdout.strip()  # fmt: skip
+    rows = sorted(rows, key=lambda r: (r["concurrency"], COMPRESSORS.index(r["compressor"])
+                                       if r["compressor"] in COMPRESSORS else len(COMPRESSORS)))
     lines = [f"{args.n} prompts of 1-3k tokens x {args.max_new_tokens} new tokens, greedy, "
-             f"draft length {args.draft_len}, commit {commit}; reference: plain SGLang, same args.",
-             "", "| compressor | concurrency | identical | VeriCache s | plain s |",
-             "|---|---|---|---|---|"]  # fmt: skip
+             f"draft length {args.draft_len}; reference: plain SGLang, same args and concurrency.",
+             "", "| compressor | concurrency | identical | VeriCache s | plain s | commit |",
+             "|---|---|---|---|---|---|"]  # fmt: skip
     for r in rows:
         got = f"{r.get('identical')}/{r.get('total')}" if r["status"] != "error" else "error"
         lines.append(f"| `{r['compressor']}` | {r['concurrency']} | {got} | "
-                     f"{r.get('candidate_s')} | {r.get('reference_s')} |")  # fmt: skip
+                     f"{r.get('candidate_s')} | {r.get('reference_s')} | "
+                     f"{r.get('commit', '0d0d3eb')} |")  # fmt: skip
     (OUT / "sweep.md").write_text("\n".join(lines) + "\n")
     (OUT / "sweep.json").write_text(json.dumps(rows, indent=2) + "\n")
 
