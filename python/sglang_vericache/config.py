@@ -91,6 +91,12 @@ def parse_draft_len(value: str) -> int | None:
     return int(value)
 
 
+def parse_on_off(flag: str, value: str) -> bool:
+    if value not in ("on", "off"):
+        raise VeriCacheConfigError(flag, f"{value!r} is not 'on' or 'off'")
+    return value == "on"
+
+
 def canonical_compressor(spec: str) -> str:
     """Validate ``spec`` with the compressor library; return its canonical spelling."""
     from sglang_vericache.compress import build_compressor  # torch import: only when validating
@@ -113,16 +119,19 @@ class VeriCacheConfig:
     compressor: str = DEFAULT_COMPRESSOR
     draft_len: int | None = None
     tier: TierSpec = TierSpec(TierKind.HOST)
+    fetch_drafting: bool = True
 
     @classmethod
     def from_flags(
-        cls, *, enabled: bool, compressor: str, draft_len: str, tier: str
-    ) -> "VeriCacheConfig":
+        cls, *, enabled: bool, compressor: str, draft_len: str, tier: str,
+        fetch_drafting: str = "on",
+    ) -> "VeriCacheConfig":  # fmt: skip
         return cls(
             enabled=enabled,
             compressor=canonical_compressor(compressor),
             draft_len=parse_draft_len(draft_len),
             tier=TierSpec.parse(tier),
+            fetch_drafting=parse_on_off("--vericache-fetch-drafting", fetch_drafting),
         )
 
     @classmethod
@@ -132,6 +141,7 @@ class VeriCacheConfig:
             compressor=ns.vericache_compressor,
             draft_len=ns.vericache_draft_len,
             tier=ns.vericache_tier,
+            fetch_drafting=ns.vericache_fetch_drafting,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -139,6 +149,7 @@ class VeriCacheConfig:
         d = asdict(self)
         d["tier"] = str(self.tier)
         d["draft_len"] = "auto" if self.draft_len is None else self.draft_len
+        d["fetch_drafting"] = "on" if self.fetch_drafting else "off"
         return d
 
     @classmethod
@@ -148,6 +159,7 @@ class VeriCacheConfig:
             compressor=str(d["compressor"]),
             draft_len=parse_draft_len(str(d["draft_len"])),
             tier=TierSpec.parse(str(d["tier"])),
+            fetch_drafting=parse_on_off("fetch_drafting", str(d.get("fetch_drafting", "on"))),
         )
 
 
@@ -185,6 +197,13 @@ def add_cli_flags(parser: argparse.ArgumentParser) -> None:
         help="Where the full KV lives: 'host' (host memory), 'zmq://HOST:PORT' (the built-in KV "
         "server, python -m sglang_vericache.tier.server), or 'lmcache://HOST:PORT'. "
         "Default: host.",
+    )
+    group.add_argument(
+        "--vericache-fetch-drafting",
+        default="on",
+        metavar="on|off",
+        help="With a remote tier: draft a request from the locally kept compressed prefix while "
+        "its full-KV prefix is fetched ('off': fetch, then decode). Default: on.",
     )
 
 

@@ -95,11 +95,19 @@ def test_bad_compressor_key_lists_valid_keys() -> None:
 
 def test_config_survives_the_dict_round_trip() -> None:
     cfg = parse_cli_flags(
-        ["--vericache", "--vericache-draft-len", "8", "--vericache-tier", "lmcache://h:1"]
-    )
+        ["--vericache", "--vericache-draft-len", "8", "--vericache-tier", "lmcache://h:1",
+         "--vericache-fetch-drafting", "off"]
+    )  # fmt: skip
+    assert not cfg.fetch_drafting
     assert VeriCacheConfig.from_dict(cfg.to_dict()) == cfg
     auto = parse_cli_flags([])
     assert VeriCacheConfig.from_dict(auto.to_dict()) == auto
+
+
+def test_fetch_drafting_is_on_or_off() -> None:
+    assert parse_cli_flags([]).fetch_drafting
+    with pytest.raises(VeriCacheConfigError, match="--vericache-fetch-drafting.*'on' or 'off'"):
+        parse_cli_flags(["--vericache-fetch-drafting", "yes"])
 
 
 @pytest.mark.parametrize(

@@ -11,7 +11,8 @@ here and hand it over::
     engine.generate("Hello", {"temperature": 0, "max_new_tokens": 16})
 
 Keyword arguments are ``ServerArgs`` fields plus ``vericache`` (default True here),
-``vericache_compressor``, ``vericache_draft_len`` and ``vericache_tier``, with the CLI's
+``vericache_compressor``, ``vericache_draft_len``, ``vericache_tier`` and
+``vericache_fetch_drafting``, with the CLI's
 validation and messages; ``model_path`` defaults to the embedded model.
 """
 
@@ -22,7 +23,8 @@ from typing import Any
 
 from sglang_vericache.config import VeriCacheConfigError, parse_cli_flags
 
-_VERICACHE_KWARGS = ("vericache_compressor", "vericache_draft_len", "vericache_tier")
+_VERICACHE_KWARGS = ("vericache_compressor", "vericache_draft_len", "vericache_tier",
+                     "vericache_fetch_drafting")
 
 
 def vericache_server_args(**kwargs: Any) -> Any:

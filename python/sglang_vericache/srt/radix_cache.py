@@ -15,10 +15,12 @@ only where a drafted request's row holds placeholders instead of slots (``srt/of
 Requests decoded plainly (sampling, logprobs, ...) never offload and are cached exactly as
 without ``--vericache``.
 
-With a remote tier (``--vericache-tier zmq://...`` / ``lmcache://...``) finished sequences are
-also written through to it, and a prompt whose prefix the tier holds past the device match is
-loaded from it instead of recomputed (``srt/remote_prefix.py``): a prefix computed by one
-server is a hit on every server sharing the tier.
+With a remote tier (``--vericache-tier zmq://...`` / ``lmcache://...``) the full KV of a
+finished drafted sequence goes to the tier (write-through) and only its compressed KV stays
+local (``srt/draft_ahead.py``): a prompt whose prefix the tier holds past the device match is
+loaded from it instead of recomputed (``srt/remote_prefix.py``), and while that fetch runs
+the request is drafted from the local compressed prefix. A prefix computed by one server is a
+hit on every server sharing the tier.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from sglang.srt.mem_cache.base_prefix_cache import (
 )
 from sglang.srt.mem_cache.radix_cache import RadixCache
 
+from sglang_vericache.srt.draft_ahead import DraftAhead, draft_ahead_for
 from sglang_vericache.srt.eligibility import plain_reason
 from sglang_vericache.srt.offload import write_pool_all_layers
 from sglang_vericache.srt.offloader import PoolOffloader
@@ -51,7 +54,7 @@ class VeriCacheRadixCache(RadixCache):
     """``RadixCache`` plus restore/drop of offloaded rows (see module doc)."""
 
     def __init__(self, params: Any, num_layers: int, verify_width: int,
-                 remote: RemotePrefixLink | None = None) -> None:  # fmt: skip
+                 remote: RemotePrefixLink | None = None, fetch_drafting: bool = True) -> None:  # fmt: skip
         allocator = params.token_to_kv_pool_allocator
         self.offloader = PoolOffloader(
             allocator.get_kvcache(), params.req_to_token_pool, allocator, num_layers
@@ -59,6 +62,11 @@ class VeriCacheRadixCache(RadixCache):
         self.restore_failures = 0
         self.verify_width = verify_width  # pool slots one verification writes per request
         self.remote = remote
+        # Compressed prefixes and drafts made while fetching (remote tiers only).
+        self.ahead: DraftAhead | None = (
+            draft_ahead_for(params.req_to_token_pool) if remote is not None and fetch_drafting
+            else None
+        )  # fmt: skip
         self.freed_seen = 0  # ledger.freed_slots when admission last reopened (admission.py)
         super().__init__(params)
 
@@ -69,9 +77,12 @@ class VeriCacheRadixCache(RadixCache):
                 super().checkpoint(req, up_to=up_to)
             return  # a drafted request keeps its KV to itself while it runs
         if self.remote is not None and _tier_eligible(req):
-            self.remote.write_through(
-                req.full_untruncated_fill_ids[:up_to], self._sequence_reader(row)
-            )  # fmt: skip
+            tokens = req.full_untruncated_fill_ids[:up_to]
+            self.remote.write_through(tokens, self._sequence_reader(row))
+            if self.ahead is not None:
+                self.ahead.remember(req.rid, tokens)
+            if self.offloader.ledger.span(row) is not None:
+                return  # full KV in the tier, compressed KV local: nothing more on the device
         if self.disable:
             return  # nothing is cached; the row's placeholders are skipped when it is freed
         restored = self.offloader.restore(
@@ -93,6 +104,8 @@ class VeriCacheRadixCache(RadixCache):
         self.offloader.drop(req.kv.req_pool_idx)
         if self.remote is not None:
             self.remote.forget(req.rid)
+        if self.ahead is not None:
+            self.ahead.forget(req.rid)
         super().on_release(req, checkpointed=checkpointed)
 
     # -- the remote tier -------------------------------------------------------------------
@@ -122,6 +135,8 @@ class VeriCacheRadixCache(RadixCache):
         start = int(req.prefix_len)
         kv = self.remote.take(req.rid, start)
         if kv is False:
+            if self.ahead is not None:
+                self.ahead.start(req.rid, req.origin_input_ids, req.sampling_params.max_new_tokens)
             time.sleep(0.001)  # the scheduler retries at once: let the tier's I/O thread run
             return None  # lookup or fetch in flight: the request waits in the queue
         if kv is None:
@@ -197,4 +212,8 @@ def build_vericache_radix_cache(ctx: Any) -> VeriCacheRadixCache:
         )
     width = int(ctx.server_args.speculative_num_draft_tokens or 1)
     layers = ctx.model_config.num_hidden_layers
-    return VeriCacheRadixCache(ctx.params, layers, width, _open_remote(ctx, layers))
+    from sglang_vericache.srt.plugin import vericache_config
+
+    fetch_drafting = vericache_config(ctx.server_args).fetch_drafting
+    return VeriCacheRadixCache(ctx.params, layers, width, _open_remote(ctx, layers),
+                               fetch_drafting)  # fmt: skip

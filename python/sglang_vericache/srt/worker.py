@@ -32,7 +32,9 @@ from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
 from sglang.srt.speculative.ngram_info import NgramVerifyInput
 
 from sglang_vericache.compress import Full, build_compressor
+from sglang_vericache.config import TierKind
 from sglang_vericache.srt.attention import DraftViews, QueryCapture, VeriCacheAttnBackend
+from sglang_vericache.srt.draft_ahead import DraftAhead, draft_ahead_for
 from sglang_vericache.srt.draft_length import DraftLengthController
 from sglang_vericache.srt.draft_state import RequestDraftState
 from sglang_vericache.srt.eligibility import plain_reason
@@ -64,6 +66,9 @@ class VeriCacheWorker(BaseSpecWorker):
         self.states: dict[str, RequestDraftState] = {}
         self.plain: dict[str, VeriCacheStats] = {}
         self._offloader: PoolOffloader | None = None
+        self._ahead: DraftAhead | None = None
+        # rid -> [drafts made while its prefix was fetched, how many of them went to verify]
+        self.ahead_used: dict[str, list[int]] = {}
         self.draft_length = DraftLengthController(
             self.config.draft_len, self.speculative_num_draft_tokens - 1
         )
@@ -97,6 +102,16 @@ class VeriCacheWorker(BaseSpecWorker):
                 runner.token_to_kv_pool_allocator, self.num_layers,
             )  # fmt: skip
         return self._offloader
+
+    @property
+    def ahead(self) -> DraftAhead | None:
+        """Drafting while a remote prefix is fetched (remote tiers with fetch drafting on)."""
+        if self._ahead is None and self.config.fetch_drafting and (
+            self.config.tier.kind is not TierKind.HOST
+        ):
+            self._ahead = draft_ahead_for(self.model_runner.req_to_token_pool)
+            self._ahead.attach(self.model_runner.model)
+        return self._ahead
 
     def _offload(self, req: Any, row: int, committed: int, state: RequestDraftState) -> None:
         """Move the request's committed KV past its tree-owned prefix to host memory."""
@@ -163,13 +178,16 @@ class VeriCacheWorker(BaseSpecWorker):
         live = {r.rid for r in batch.reqs}
         if not batch.forward_mode.is_decode():
             return  # a prefill batch holds only the newly admitted requests
-        for table in (self.states, self.plain, self.draft_length.estimates):
+        for table in (self.states, self.plain, self.draft_length.estimates, self.ahead_used):
             for rid in [rid for rid in table if rid not in live]:
                 del table[rid]  # left the decode batch: finished, aborted or retracted
 
     def note_request_finished(self, *, rid: str, natural_stop: bool) -> None:
-        self.states.pop(rid, None)
+        state = self.states.pop(rid, None)
+        if state is not None and self.ahead is not None:
+            self.ahead.park(rid, state)  # the prefix cache keeps it for the next turn
         self.plain.pop(rid, None)
+        self.ahead_used.pop(rid, None)
         self.draft_length.forget(rid)
 
     def _result(self, batch, next_token_ids, accept_lens, new_seq_lens, logits_output):
@@ -204,6 +222,9 @@ class VeriCacheWorker(BaseSpecWorker):
         seq_lens = batch.seq_lens_cpu.tolist()
         rows = batch.req_pool_indices.tolist()
         for i, req in enumerate(batch.reqs):
+            if self.ahead is not None and req.rid in self.ahead.jobs:
+                # admitted: its full KV is here; the drafts made meanwhile feed the first steps
+                self.ahead_used[req.rid] = [self.ahead.halt(req.rid), 0]
             if req is batch.chunked_req:
                 continue  # prompt not complete yet: compress after its last chunk
             reason = plain_reason(req)
@@ -281,16 +302,33 @@ class VeriCacheWorker(BaseSpecWorker):
         finally:
             self.attn.draft = None
 
+    def _drafted_ahead(self, batch, most: int) -> torch.Tensor | None:
+        """Drafts made while fetching, for every request of the batch: [bs, n], or None."""
+        if self.ahead is None or not self.ahead.jobs:
+            return None
+        proposals = self.ahead.proposals([(r.rid, r.output_ids) for r in batch.reqs], most)
+        if proposals is None:
+            return None
+        for req in batch.reqs:
+            self.ahead_used.setdefault(req.rid, [0, 0])[1] += len(proposals[0])
+        return torch.tensor(proposals, dtype=torch.int64, device=self.device)
+
     def _verify_step(self, batch):
         left = [r.sampling_params.max_new_tokens - len(r.output_ids) for r in batch.reqs]
         width = 1 + self.draft_length.drafts_for([r.rid for r in batch.reqs], left)
         bs = len(batch.reqs)
         base = batch.seq_lens_cpu.clone()
         rows = torch.empty(bs, width, dtype=torch.int64, device=self.device)
+        ahead = self._drafted_ahead(batch, width - 1)
+        if ahead is not None:  # every request was drafted while its prefix was fetched
+            width = 1 + ahead.shape[1]
+            rows = torch.empty(bs, width, dtype=torch.int64, device=self.device)
+            rows[:, 1:] = ahead
         rows[:, 0] = self._last_tokens(batch)
-        started = time.perf_counter()
-        self._draft(batch, base, rows)
-        self.draft_length.time_draft_step((time.perf_counter() - started) / max(1, width - 1))
+        if ahead is None:
+            started = time.perf_counter()
+            self._draft(batch, base, rows)
+            self.draft_length.time_draft_step((time.perf_counter() - started) / max(1, width - 1))
 
         table = self.model_runner.req_to_token_pool.req_to_token
         offsets = torch.arange(width, device=self.device)
@@ -344,6 +382,8 @@ class VeriCacheWorker(BaseSpecWorker):
         info["compressed_kv_bytes"] = 0 if state is None else state.nbytes
         info["host_kv_tokens"] = 0 if span is None else span.host.length
         info["reserved_slots"] = 0 if span is None else int(span.reserved.numel())
+        made, verified = self.ahead_used.get(rid, (0, 0))
+        info["drafted_while_fetching"], info["drafted_while_fetching_verified"] = made, verified
         return info
 
     def stats_for(self, rid: str) -> VeriCacheStats:

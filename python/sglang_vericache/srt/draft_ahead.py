@@ -1,0 +1,257 @@
+"""Drafting while the full KV streams in: compressed prefixes kept locally, drafts made ahead.
+
+With a remote tier the device keeps only the *compressed* KV of finished sequences
+(``CompressedPrefixStore``); their full KV lives in the tier. When the next turn arrives its
+full-KV prefix must be fetched before SGLang can prefill it, and the request waits in the
+queue. Meanwhile ``DraftAhead`` drafts it from the compressed prefix on a background thread::
+
+    queue:   [ lookup | fetch full KV ..................... ] admit, prefill -> t1
+    ahead:   [ match compressed prefix | prefill suffix (lossy) | d1 d2 d3 ... dn ]
+    decode:  verify [t1, d2..dw] over the full KV at once (d1 == t1), no draft forwards
+
+Drafts made ahead are only proposals: the first verifications check them against the full KV
+exactly like any other draft, so output is unchanged whatever the drafter produced. A job stops
+when its request is admitted (``halt``) or leaves (``forget``); the worker consumes the drafts
+as long as the committed tokens keep matching them.
+
+Threading: ``start``/``halt``/``forget``/``drafts`` run on the scheduler thread, one daemon
+thread runs the jobs in order. A job's ``drafts`` list is only ever appended to, so a
+snapshot read from the scheduler thread is always a consistent prefix.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from sglang_vericache.srt.llama_drafter import LlamaDrafter
+
+logger = logging.getLogger(__name__)
+
+STORE_BYTES = 512 << 20  # compressed KV kept for finished sequences (LRU beyond this)
+AHEAD_MAX_TOKENS = 64  # drafts made per waiting request (more than a fetch usually allows)
+AHEAD_MAX_SUFFIX = 1024  # prompt tokens past the compressed prefix the drafter will prefill
+MAX_JOBS = 1024  # jobs remembered (a job lives from its request's fetch to its release)
+
+
+@dataclass(slots=True)
+class StoredPrefix:
+    """The compressed KV (a ``RequestDraftState``) of positions [0, len(tokens)).
+
+    The state may cover ``trim`` more positions: a verification can commit past the point where
+    SGLang stops the request (``max_new_tokens``, a stop string). Those newest tokens are always
+    in the full-precision recent window, which is the tail of every view and the same for every
+    head, so dropping the last ``trim`` columns leaves exactly positions [0, len(tokens)).
+    """
+
+    tokens: tuple[int, ...]
+    state: Any
+    nbytes: int
+    trim: int = 0
+
+    def views(self) -> list[tuple[Any, Any]]:
+        """Per layer (K, V) [H_kv, T_view - trim, D]."""
+        views = self.state.views()
+        if not self.trim:
+            return views
+        return [(k[:, : k.shape[1] - self.trim], v[:, : v.shape[1] - self.trim]) for k, v in views]
+
+
+class CompressedPrefixStore:
+    """Compressed KV of finished sequences, LRU within a byte budget. Scheduler thread only."""
+
+    def __init__(self, budget_bytes: int = STORE_BYTES) -> None:
+        self.budget = budget_bytes
+        self.entries: OrderedDict[tuple[int, ...], StoredPrefix] = OrderedDict()
+        self.nbytes = 0
+
+    def put(self, tokens: Sequence[int], state: Any, trim: int = 0) -> bool:
+        """Keep ``state`` (covering ``tokens`` + ``trim`` more); drops entries it extends.
+
+        False if it is over the budget on its own.
+        """
+        key = tuple(tokens)
+        if state.covered != len(key) + trim or not key or trim < 0:
+            raise ValueError(f"state covers {state.covered} tokens, key has {len(key)} + {trim}")
+        if state.nbytes > self.budget:
+            return False
+        for old in [k for k in self.entries if len(k) <= len(key) and key[: len(k)] == k]:
+            self._drop(old)  # a longer turn of the same conversation supersedes it
+        self.entries[key] = StoredPrefix(key, state, state.nbytes, trim)
+        self.nbytes += state.nbytes
+        while self.nbytes > self.budget:
+            self._drop(next(iter(self.entries)))
+        return True
+
+    def longest(self, tokens: Sequence[int]) -> StoredPrefix | None:
+        """The longest entry that is a proper prefix of ``tokens`` (marked recently used)."""
+        best = None
+        for key, entry in self.entries.items():
+            if len(key) < len(tokens) and (best is None or len(key) > len(best.tokens)):
+                if tuple(tokens[: len(key)]) == key:
+                    best = entry
+        if best is not None:
+            self.entries.move_to_end(best.tokens)
+        return best
+
+    def _drop(self, key: tuple[int, ...]) -> None:
+        self.nbytes -= self.entries.pop(key).nbytes
+
+    def check_integrity(self) -> None:
+        assert self.nbytes == sum(e.nbytes for e in self.entries.values()), "byte count drifted"
+        assert self.nbytes <= self.budget, "over budget"
+        for key, entry in self.entries.items():
+            assert entry.tokens == key and entry.state.covered == len(key) + entry.trim, key[:8]
+
+
+@dataclass(slots=True)
+class AheadJob:
+    """One waiting request's drafting: ``drafts`` grows on the drafting thread."""
+
+    rid: str
+    prefix: StoredPrefix
+    suffix: list[int]
+    max_tokens: int
+    drafts: list[int] = field(default_factory=list)
+    stop: threading.Event = field(default_factory=threading.Event)
+
+
+class DraftAhead:
+    """The compressed-prefix store plus the drafting thread (module doc).
+
+    ``attach(model)`` is called by the worker once the model exists; until then, or for a model
+    without the Llama layout, ``start`` does nothing and requests wait for their fetch as before.
+    """
+
+    def __init__(self, budget_bytes: int = STORE_BYTES) -> None:
+        self.store = CompressedPrefixStore(budget_bytes)
+        self.drafter: LlamaDrafter | None = None
+        self.finished: dict[str, Any] = {}  # rid -> compressed KV, between finish and release
+        self.jobs: dict[str, AheadJob] = {}
+        self._queue: queue.Queue[AheadJob] = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self.started = self.failed = 0
+
+    def attach(self, model: Any) -> None:
+        self.drafter = LlamaDrafter.from_model(model)
+        if self.drafter is None:
+            logger.warning("%s does not have the Llama module layout: requests waiting for a "
+                           "remote prefix are not drafted ahead", type(model).__name__)  # fmt: skip
+
+    # -- the scheduler thread ----------------------------------------------------------------
+
+    def park(self, rid: str, state: Any) -> None:
+        """The worker hands over a finished request's compressed KV (before the cache sees it)."""
+        if self.drafter is not None:
+            self.finished[rid] = state
+
+    def remember(self, rid: str, tokens: Sequence[int]) -> bool:
+        """Keep finished request ``rid``'s compressed KV for the prefixes of later requests."""
+        state = self.finished.pop(rid, None)
+        if state is None:
+            return False
+        kept = min(len(tokens), state.covered)
+        trim = state.covered - kept  # committed past the request's end (see StoredPrefix)
+        if trim > min(layer.num_pending for layer in state.layers):
+            return False
+        return self.store.put(list(tokens)[:kept], state, trim)
+
+    def start(self, rid: str, prompt: Sequence[int], max_new_tokens: int) -> bool:
+        """Begin drafting ``rid`` (once) if a stored compressed prefix covers most of ``prompt``."""
+        if rid in self.jobs or self.drafter is None:
+            return rid in self.jobs
+        prefix = self.store.longest(prompt)
+        if prefix is None or len(prompt) - len(prefix.tokens) > AHEAD_MAX_SUFFIX:
+            return False
+        while len(self.jobs) >= MAX_JOBS:  # requests aborted while queued never release
+            self.forget(next(iter(self.jobs)))
+        job = AheadJob(rid, prefix, list(prompt[len(prefix.tokens) :]),
+                       min(AHEAD_MAX_TOKENS, max_new_tokens))  # fmt: skip
+        self.jobs[rid] = job
+        self.started += 1
+        logger.info("request %s: drafting while its prefix is fetched, from a compressed prefix "
+                    "of %d tokens (+%d prompt tokens)", rid, len(prefix.tokens), len(job.suffix))
+        self._queue.put(job)
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="vericache-draft-ahead",
+                                            daemon=True)  # fmt: skip
+            self._thread.start()
+        return True
+
+    def drafts(self, rid: str) -> list[int]:
+        """Tokens drafted so far for ``rid`` (a snapshot; empty if none)."""
+        job = self.jobs.get(rid)
+        return [] if job is None else job.drafts[:]
+
+    def proposals(self, reqs: Sequence[tuple[str, Sequence[int]]], most: int) -> list[list[int]] | None:
+        """The next drafts made ahead for each (rid, committed output) of a batch: [bs][n].
+
+        A request's drafts d1..dm stay usable while its committed output equals d1..dk; it
+        proposes d(k+1).. . None unless every request has at least one (the worker then drafts
+        as usual); a request whose output left its drafts is forgotten.
+        """
+        pending = []
+        for rid, output in reqs:
+            drafts, k = self.drafts(rid), len(output)
+            if not drafts:
+                return None
+            if k == 0 or len(drafts) <= k or drafts[:k] != list(output):
+                self.forget(rid)  # diverged or used up: normal drafting from now on
+                return None
+            pending.append(drafts[k:])
+        n = min([most] + [len(d) for d in pending])
+        return [d[:n] for d in pending] if n > 0 else None
+
+    def halt(self, rid: str) -> int:
+        """Stop drafting more for ``rid`` (it was admitted); returns the drafts made so far.
+
+        What exists stays readable for ``proposals``.
+        """
+        job = self.jobs.get(rid)
+        if job is None:
+            return 0
+        job.stop.set()
+        return len(job.drafts)
+
+    def forget(self, rid: str) -> None:
+        self.finished.pop(rid, None)
+        job = self.jobs.pop(rid, None)
+        if job is not None:
+            job.stop.set()
+
+    # -- the drafting thread -----------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job.stop.is_set():
+                continue
+            try:
+                self._draft(job)
+            except Exception:  # a draft is only a proposal: the request decodes normally
+                self.failed += 1
+                logger.exception("drafting ahead for request %s failed", job.rid)
+
+    def _draft(self, job: AheadJob) -> None:
+        views = job.prefix.views()
+        logits, kv = self.drafter.prefill(views, job.suffix, len(job.prefix.tokens),
+                                          job.max_tokens)  # fmt: skip
+        token = int(logits.argmax())
+        while not job.stop.is_set():
+            job.drafts.append(token)
+            if len(job.drafts) >= job.max_tokens:
+                return
+            token = int(self.drafter.step(token, kv).argmax())
+
+
+def draft_ahead_for(req_to_token_pool: Any) -> DraftAhead:
+    """The ``DraftAhead`` shared by the worker and the prefix cache of one scheduler."""
+    hub = getattr(req_to_token_pool, "_vericache_draft_ahead", None)
+    if hub is None:
+        hub = DraftAhead()
+        req_to_token_pool._vericache_draft_ahead = hub
+    return hub
