@@ -6,7 +6,9 @@ Each budget (``--max-total-tokens``) holds ``--n-full`` requests of ``--prompt-t
 log, every step) is the number served concurrently, and output tokens / wall time the
 throughput. VeriCache outputs are compared with plain SGLang's token by token, so the run also
 checks exactness under memory pressure. Several ``--n-full`` values sweep the budget from tight
-to ample (the paper's Fig. 13 analogue).
+to ample (the paper's Fig. 13 analogue). Unless ``--no-offload-baseline``, each budget also runs
+the offload-only baseline (``--vericache-draft-len 0``: the full KV off the device, read back
+for every token, no compressed KV, no drafting): what VeriCache would cost without drafting.
 
     python benchmark/capacity.py --max-new-tokens 256          # N=3: snapkv 4x and kivi-4
     python benchmark/capacity.py --max-new-tokens 128 --n-full 2 3 6 12 --requests 12 \
@@ -36,6 +38,7 @@ from sglang_vericache.models import ensure_default_model  # noqa: E402
 
 RUNNING = re.compile(r"Decode batch, #running-req: (\d+)")
 SLOT_SLACK = 64  # headroom for the decode step's own slots
+OFFLOAD_ONLY = "offload only, no drafting (--vericache-draft-len 0)"
 
 
 def peak_running(log: Path) -> int:
@@ -69,6 +72,8 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=0, help="default: 4 x the largest --n-full")
     ap.add_argument("--compressors", nargs="+", default=["snapkv:ratio=0.25", "kivi:bits=4"])
     ap.add_argument("--draft-len", type=int, default=6)
+    ap.add_argument("--no-offload-baseline", action="store_true",
+                    help="skip the offload-only baseline (--vericache-draft-len 0)")
     ap.add_argument("--out", type=Path, default=REPO / "benchmark/results/capacity")
     args = ap.parse_args()
 
@@ -85,6 +90,9 @@ def main() -> None:
         base = ["--model-path", str(model), "--max-total-tokens", str(budget)]
         logs = args.out.parent / f"{args.out.name}-logs" / f"n{n_full}"
         runs = {"plain": serve(base, prompts, args.max_new_tokens, logs / "plain.log")}
+        if not args.no_offload_baseline:
+            runs[OFFLOAD_ONLY] = serve(base + ["--vericache", "--vericache-draft-len", "0"],
+                                       prompts, args.max_new_tokens, logs / "offload-only.log")
         for spec in args.compressors:
             extra = ["--vericache", "--vericache-compressor", spec,
                      "--vericache-draft-len", str(args.draft_len)]  # fmt: skip

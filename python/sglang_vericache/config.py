@@ -81,12 +81,16 @@ class TierSpec:
 
 
 def parse_draft_len(value: str) -> int | None:
-    """``"auto"`` -> None (adaptive per request); ``"N"`` -> N in 1..MAX_DRAFT_LEN."""
+    """``"auto"`` -> None (adaptive per request); ``"N"`` -> N in 0..MAX_DRAFT_LEN.
+
+    0 is the offload-only baseline: the full KV still moves to the tier, but every decode step
+    reads it back for one token, with no compressed KV and no drafting.
+    """
     if value == "auto":
         return None
-    if not value.isdigit() or not 1 <= int(value) <= MAX_DRAFT_LEN:
+    if not value.isdigit() or not 0 <= int(value) <= MAX_DRAFT_LEN:
         raise VeriCacheConfigError(
-            "--vericache-draft-len", f"{value!r} is not 'auto' or an integer in 1..{MAX_DRAFT_LEN}"
+            "--vericache-draft-len", f"{value!r} is not 'auto' or an integer in 0..{MAX_DRAFT_LEN}"
         )
     return int(value)
 
@@ -188,7 +192,9 @@ def add_cli_flags(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_DRAFT_LEN,
         metavar="N|auto",
         help=f"Tokens drafted per verification (1..{MAX_DRAFT_LEN}), or 'auto' to adapt per "
-        "request from its acceptance history and the full-KV fetch time. Default: auto.",
+        "request from its acceptance history and the full-KV fetch time; 0 is a baseline that "
+        "offloads the full KV and reads it back for every token, without drafting. "
+        "Default: auto.",
     )
     group.add_argument(
         "--vericache-tier",

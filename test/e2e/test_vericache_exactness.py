@@ -85,6 +85,23 @@ def test_vericache_is_token_identical(
     assert_identical(prompts, reference, candidate, compressor=compressor, concurrency=concurrency)
 
 
+def test_offload_only_baseline_is_identical_and_keeps_no_kv_on_the_device(
+    prompts, reference, tmp_path: Path
+) -> None:
+    """``--vericache-draft-len 0``: the full KV leaves the pool and every token reads it back."""
+    with vericache_server("kivi:bits=4", tmp_path, draft_len=0) as server:
+        candidate = generate_all(server.url, prompts, max_new_tokens=MAX_NEW_TOKENS, concurrency=2)
+        out = http_json(server.url + "/generate", {
+            "text": "Restate this.\n" + prompts[1].text,
+            "sampling_params": {"temperature": 0, "max_new_tokens": 40},
+        })  # fmt: skip
+    assert_identical(prompts, reference, candidate, compressor="offload only")
+    stats = out["meta_info"]["vericache"]
+    assert stats["mode"] == "plain" and "draft-len 0" in stats["plain_reason"], stats
+    assert stats["host_kv_tokens"] >= out["meta_info"]["prompt_tokens"], stats  # + tail chunks
+    assert stats["reserved_slots"] == 0 and stats["verify_steps"] == 0, stats
+
+
 @pytest.fixture(scope="module")
 def kivi_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SGLangServer]:
     with vericache_server("kivi:bits=4", tmp_path_factory.mktemp("kivi"),

@@ -67,12 +67,12 @@ def test_bad_tier_names_the_flag_and_the_accepted_forms(spec: str, fragment: str
     assert fragment in str(err.value)
 
 
-@pytest.mark.parametrize("value, expected", [("auto", None), ("1", 1), (str(MAX_DRAFT_LEN), 64)])
+@pytest.mark.parametrize("value, expected", [("auto", None), ("0", 0), ("1", 1), (str(MAX_DRAFT_LEN), 64)])
 def test_draft_len_accepts_auto_and_range(value: str, expected: int | None) -> None:
     assert parse_draft_len(value) == expected
 
 
-@pytest.mark.parametrize("value", ["0", "-3", "65", "eight", "", "1.5"])
+@pytest.mark.parametrize("value", ["-3", "65", "eight", "", "1.5"])
 def test_draft_len_rejects_out_of_range(value: str) -> None:
     with pytest.raises(VeriCacheConfigError, match="--vericache-draft-len"):
         parse_draft_len(value)

@@ -70,7 +70,8 @@ def _apply(server_args: Any, config: VeriCacheConfig) -> None:
 
     drafts = AUTO_DRAFT_LEN if config.draft_len is None else config.draft_len
     server_args.speculative_algorithm = ALGORITHM
-    server_args.speculative_num_draft_tokens = drafts + 1  # verify width: last token + drafts
+    # verify width: last token + drafts (the offload-only baseline, 0 drafts, keeps width 2)
+    server_args.speculative_num_draft_tokens = max(drafts, 1) + 1
     server_args.attention_backend = BACKEND_NAME
     server_args.radix_cache_backend = BACKEND_NAME  # knows rows offloaded to host memory
     server_args.disable_overlap_schedule = True  # the worker runs synchronously

@@ -48,6 +48,7 @@ from sglang_vericache.verify.stats import DecodeMode
 logger = logging.getLogger(__name__)
 
 OBS_WINDOW = 32  # prompt queries kept for attention-scored compressors (SnapKV, H2O)
+OFFLOAD_ONLY = "--vericache-draft-len 0: full KV offloaded, read back for every token, no drafts"
 
 
 class VeriCacheWorker(BaseSpecWorker):
@@ -69,8 +70,11 @@ class VeriCacheWorker(BaseSpecWorker):
         self._ahead: DraftAhead | None = None
         # rid -> [drafts made while its prefix was fetched, how many of them went to verify]
         self.ahead_used: dict[str, list[int]] = {}
+        # --vericache-draft-len 0: the offload-only baseline (full KV off the device, no drafts)
+        self.offload_only = self.config.draft_len == 0
         self.draft_length = DraftLengthController(
-            self.config.draft_len, self.speculative_num_draft_tokens - 1
+            None if self.offload_only else self.config.draft_len,
+            self.speculative_num_draft_tokens - 1,
         )
         self.metrics = None
         if server_args.enable_metrics:
@@ -113,10 +117,10 @@ class VeriCacheWorker(BaseSpecWorker):
             self._ahead.attach(self.model_runner.model)
         return self._ahead
 
-    def _offload(self, req: Any, row: int, committed: int, state: RequestDraftState) -> None:
+    def _offload(self, req: Any, row: int, committed: int, compressed_bytes: int) -> None:
         """Move the request's committed KV past its tree-owned prefix to host memory."""
         owned_from = int(req.kv.cache_protected_len)
-        self.offloader.offload(row, owned_from, committed, state.nbytes)
+        self.offloader.offload(row, owned_from, committed, compressed_bytes)
 
     # -- pool access -------------------------------------------------------------------------
 
@@ -134,7 +138,7 @@ class VeriCacheWorker(BaseSpecWorker):
         self._forget_finished(batch)
         if batch.forward_mode.is_extend():
             result = self._prefill(batch, pp_proxy_tensors)
-        elif any(plain_reason(r) is not None for r in batch.reqs):
+        elif self.offload_only or any(plain_reason(r) is not None for r in batch.reqs):
             result = self._plain_step(batch)
         else:
             self._sync_states(batch)
@@ -187,7 +191,10 @@ class VeriCacheWorker(BaseSpecWorker):
         if state is not None and self.ahead is not None:
             self.ahead.park(rid, state)  # the prefix cache keeps it for the next turn
         self.plain.pop(rid, None)
-        self.ahead_used.pop(rid, None)
+        ahead = self.ahead_used.pop(rid, None)
+        if ahead is not None:
+            logger.info("request %s: %d drafts made while fetching its prefix, %d verified",
+                        rid, *ahead)  # fmt: skip
         self.draft_length.forget(rid)
 
     def _result(self, batch, next_token_ids, accept_lens, new_seq_lens, logits_output):
@@ -233,6 +240,10 @@ class VeriCacheWorker(BaseSpecWorker):
             if reason is not None:
                 self.plain[req.rid] = VeriCacheStats.plain(reason)
                 continue
+            if self.offload_only:
+                self.plain[req.rid] = VeriCacheStats.plain(OFFLOAD_ONLY)
+                self._offload(req, rows[i], seq_lens[i], 0)
+                continue
             queries = [capture.queries[i].get(layer) if capture.queries else None
                        for layer in range(self.num_layers)]  # fmt: skip
             state = RequestDraftState.build(
@@ -240,7 +251,7 @@ class VeriCacheWorker(BaseSpecWorker):
                 queries, self.num_layers,
             )  # fmt: skip
             self.states[req.rid] = state
-            self._offload(req, rows[i], seq_lens[i], state)
+            self._offload(req, rows[i], seq_lens[i], state.nbytes)
         bs = len(batch.reqs)
         ones = torch.ones(bs, dtype=torch.int32, device=self.device)
         return self._result(batch, out.next_token_ids, ones, batch.seq_lens.clone(),
@@ -277,11 +288,12 @@ class VeriCacheWorker(BaseSpecWorker):
         rows = batch.req_pool_indices.tolist()
         out = self.target_worker.forward_batch_generation(batch)
         for i, req in enumerate(batch.reqs):
-            state = self.states.get(req.rid)
+            state, plain = self.states.get(req.rid), self.plain.get(req.rid)
             if state is not None:
                 slots = self._row_slots(rows[i], int(base[i]), int(base[i]) + 1)
                 state.append(self._read_pool, slots, [None] * self.num_layers)
-                self._offload(req, rows[i], int(base[i]) + 1, state)
+            if state is not None or (plain is not None and plain.plain_reason == OFFLOAD_ONLY):
+                self._offload(req, rows[i], int(base[i]) + 1, 0 if state is None else state.nbytes)
         bs = len(batch.reqs)
         width = self.speculative_num_draft_tokens
         tokens = torch.zeros(bs, width, dtype=torch.int64, device=self.device)
@@ -367,7 +379,7 @@ class VeriCacheWorker(BaseSpecWorker):
             self.draft_length.observe(req.rid, width - 1, n - 1)
             if self.metrics is not None:
                 self.metrics.observe_verify(record)
-            self._offload(req, row, int(base[i]) + n, state)
+            self._offload(req, row, int(base[i]) + n, state.nbytes)
         new_seq_lens = (base + accept_lens.cpu()).to(self.device)
         tokens = torch.zeros(bs, self.speculative_num_draft_tokens, dtype=torch.int64,
                              device=self.device)  # SGLang's rows are the allocated width
