@@ -24,6 +24,7 @@ pytestmark = [pytest.mark.sglang, pytest.mark.model, pytest.mark.timeout(1200)]
 
 CHUNK = 128  # srt/radix_cache.py REMOTE_CHUNK_TOKENS
 NEW_TOKENS = 12
+KV_BYTES_PER_TOKEN = 30 * 2 * 3 * 64 * 4  # SmolLM2-135M fp32: layers x (K, V) x heads x dim
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +98,13 @@ def test_next_turn_is_drafted_while_its_prefix_is_fetched(servers, kv_server, pl
     # those drafts survive verification depends on the compressor: that is measured in
     # benchmark/remote_prefix.py, not asserted here).
     assert meta["vericache"]["drafted_while_fetching"] > 0, meta["vericache"]
-    assert got["output_ids"] == _generate(plain_server, turn2)["output_ids"]
+    want = _generate(plain_server, turn2)["output_ids"]
+    assert got["output_ids"] == want
+    # The full KV it fetched did not stay on A's device either: asking again fetches it again.
+    sent = kv_server.stats()["bytes_out"]
+    again = _generate(a, turn2)
+    assert kv_server.stats()["bytes_out"] - sent >= (len(ids) // CHUNK) * CHUNK * KV_BYTES_PER_TOKEN
+    assert again["output_ids"] == want
 
 
 def test_corrupt_chunk_is_recomputed_identically(servers, kv_server, plain_server,

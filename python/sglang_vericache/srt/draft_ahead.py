@@ -22,8 +22,10 @@ snapshot read from the scheduler thread is always a consistent prefix.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -132,9 +134,11 @@ class DraftAhead:
         self.drafter: LlamaDrafter | None = None
         self.finished: dict[str, Any] = {}  # rid -> compressed KV, between finish and release
         self.jobs: dict[str, AheadJob] = {}
+        self._declined: set[str] = set()  # waited too short to draft: asked only once
         self._queue: queue.Queue[AheadJob] = queue.Queue()
         self._thread: threading.Thread | None = None
-        self.started = self.failed = 0
+        self.started = self.failed = self.skipped = 0
+        self.prefill_s_per_token = 0.0  # the drafter's measured suffix prefill cost (0: none yet)
 
     def attach(self, model: Any) -> None:
         self.drafter = LlamaDrafter.from_model(model)
@@ -160,12 +164,25 @@ class DraftAhead:
             return False
         return self.store.put(list(tokens)[:kept], state, trim)
 
-    def start(self, rid: str, prompt: Sequence[int], max_new_tokens: int) -> bool:
-        """Begin drafting ``rid`` (once) if a stored compressed prefix covers most of ``prompt``."""
-        if rid in self.jobs or self.drafter is None:
+    def start(self, rid: str, prompt: Sequence[int], max_new_tokens: int,
+              wait_s: float | None = None) -> bool:  # fmt: skip
+        """Begin drafting ``rid`` (once) if a stored compressed prefix covers most of ``prompt``.
+
+        wait_s: the expected time until its full KV lands (None: unknown). Drafting is skipped
+        when prefilling the prompt's uncovered suffix would take longer: no draft would be ready
+        in time, and the drafter would only compete with the serving path for compute.
+        """
+        if rid in self.jobs or self.drafter is None or rid in self._declined:
             return rid in self.jobs
         prefix = self.store.longest(prompt)
         if prefix is None or len(prompt) - len(prefix.tokens) > AHEAD_MAX_SUFFIX:
+            return False
+        suffix = len(prompt) - len(prefix.tokens)
+        if wait_s is not None and suffix * self.prefill_s_per_token >= wait_s:
+            if len(self._declined) >= MAX_JOBS:  # requests aborted while queued never release
+                self._declined.clear()
+            self._declined.add(rid)
+            self.skipped += 1
             return False
         while len(self.jobs) >= MAX_JOBS:  # requests aborted while queued never release
             self.forget(next(iter(self.jobs)))
@@ -219,6 +236,7 @@ class DraftAhead:
 
     def forget(self, rid: str) -> None:
         self.finished.pop(rid, None)
+        self._declined.discard(rid)
         job = self.jobs.pop(rid, None)
         if job is not None:
             job.stop.set()
@@ -226,6 +244,10 @@ class DraftAhead:
     # -- the drafting thread -----------------------------------------------------------------
 
     def _run(self) -> None:
+        try:  # Linux: drafts get only the CPU the serving path leaves idle (on a GPU: moot)
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        except (AttributeError, OSError):
+            pass
         while True:
             job = self._queue.get()
             if job.stop.is_set():
@@ -238,8 +260,12 @@ class DraftAhead:
 
     def _draft(self, job: AheadJob) -> None:
         views = job.prefix.views()
+        started = time.perf_counter()
         logits, kv = self.drafter.prefill(views, job.suffix, len(job.prefix.tokens),
                                           job.max_tokens)  # fmt: skip
+        per_token = (time.perf_counter() - started) / max(1, len(job.suffix))
+        self.prefill_s_per_token = per_token if not self.prefill_s_per_token else (
+            0.7 * self.prefill_s_per_token + 0.3 * per_token)  # fmt: skip
         token = int(logits.argmax())
         while not job.stop.is_set():
             job.drafts.append(token)

@@ -67,6 +67,7 @@ class VeriCacheRadixCache(RadixCache):
             draft_ahead_for(params.req_to_token_pool) if remote is not None and fetch_drafting
             else None
         )  # fmt: skip
+        self.loaded: dict[str, tuple[Any, int]] = {}  # rid -> (deepest node loaded, start)
         self.freed_seen = 0  # ledger.freed_slots when admission last reopened (admission.py)
         super().__init__(params)
 
@@ -101,12 +102,33 @@ class VeriCacheRadixCache(RadixCache):
         super().free_kv_row(kv, self.offloader.owned_ranges(kv.req_pool_idx, ranges))
 
     def on_release(self, req: Any, *, checkpointed: bool) -> None:
+        drafted = self.offloader.ledger.span(req.kv.req_pool_idx) is not None
         self.offloader.drop(req.kv.req_pool_idx)
         if self.remote is not None:
             self.remote.forget(req.rid)
         if self.ahead is not None:
             self.ahead.forget(req.rid)
         super().on_release(req, checkpointed=checkpointed)
+        loaded = self.loaded.pop(req.rid, None)
+        if loaded is not None and drafted:
+            self._drop_loaded(*loaded)
+
+    def _drop_loaded(self, node: Any, start: int) -> None:
+        """Free the device copy of a prefix loaded from the tier for a drafted request.
+
+        With a remote tier the device keeps compressed KV only; the full KV the request fetched
+        stays in the tier for the next turn. Nodes another request holds, or extended, stay.
+        """
+        while node is not self.root_node and not node.children and node.lock_ref == 0:
+            parent = node.parent
+            if parent.children.get(node.key.child_key(self.page_size)) is not node:
+                return  # evicted (or split off) meanwhile
+            if _node_start(node) < start:
+                return  # the part matched on the device before the load
+            self.token_to_kv_pool_allocator.free_segment(node.value, start_pos=0)
+            self._delete_leaf(node)
+            self.kv_events.record_remove(node)
+            node = parent
 
     # -- the remote tier -------------------------------------------------------------------
 
@@ -136,9 +158,12 @@ class VeriCacheRadixCache(RadixCache):
         kv = self.remote.take(req.rid, start)
         if kv is False:
             if self.ahead is not None:
-                self.ahead.start(req.rid, req.origin_input_ids, req.sampling_params.max_new_tokens)
+                self.ahead.start(req.rid, req.origin_input_ids, req.sampling_params.max_new_tokens,
+                                 self.remote.expected_wait_s(req.rid))  # fmt: skip
             time.sleep(0.001)  # the scheduler retries at once: let the tier's I/O thread run
             return None  # lookup or fetch in flight: the request waits in the queue
+        if self.ahead is not None:
+            self.ahead.halt(req.rid)  # the full KV is here: stop competing with its prefill
         if kv is None:
             return 0, node  # miss or failure: recompute
         n = kv.shape[3] // self.page_size * self.page_size
@@ -156,17 +181,27 @@ class VeriCacheRadixCache(RadixCache):
         if duplicates:  # another request inserted part of it meanwhile: keep the tree's copy
             self.token_to_kv_pool_allocator.free(slots[:duplicates])
         new_node = super().match_prefix(MatchPrefixParams(key=key)).last_device_node
+        self.loaded[req.rid] = (new_node, start)
         return n, new_node
 
     def reset(self) -> None:
         for row in list(self.offloader.ledger.rows):
             self.offloader.drop(row)
+        self.loaded = {}
         super().reset()
 
 
 def _tier_eligible(req: Any) -> bool:
     """Tier keys hash tokens and the model only: LoRA / salted requests stay local."""
     return not getattr(req, "extra_key", None) and not getattr(req, "cache_salt", None)
+
+
+def _node_start(node: Any) -> int:
+    """Position of a tree node's first token (the key length of its ancestors)."""
+    start, node = 0, node.parent
+    while node is not None and node.parent is not None:
+        start, node = start + len(node.key), node.parent
+    return start
 
 
 def _match_key(req: Any) -> Any:

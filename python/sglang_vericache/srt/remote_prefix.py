@@ -50,6 +50,7 @@ class _Pending:
     dst: list[Tensor] = field(default_factory=list)
     chunks_ok: int = 0
     created: float = field(default_factory=time.monotonic)
+    fetch_started: float = 0.0
 
 
 @dataclass(slots=True)
@@ -78,6 +79,7 @@ class RemotePrefixLink:
         self._puts: dict[TaskId, tuple[list[ChunkKey], list[Tensor]]] = {}
         self._stored: OrderedDict[bytes, None] = OrderedDict()
         self.counters = RemoteCounters()
+        self.fetch_bytes_per_s = 0.0  # moving average over completed fetches (0: none yet)
 
     @classmethod
     def open(cls, spec: str, geometry: KVGeometry, **options) -> "RemotePrefixLink":
@@ -190,8 +192,28 @@ class RemotePrefixLink:
                 state.dst = [torch.empty(self.geometry.chunk_shape(k.num_tokens),
                                          dtype=self.geometry.torch_dtype) for k in state.keys]  # fmt: skip
                 state.task, state.phase = self.tier.submit_fetch(state.keys, state.dst), "fetch"
+                state.fetch_started = time.monotonic()
             else:
                 state.chunks_ok, state.phase = n_ok, "ready"
+                self._observe_fetch(state)
+
+    def _observe_fetch(self, state: _Pending) -> None:
+        seconds = time.monotonic() - state.fetch_started
+        nbytes = sum(t.nbytes for t in state.dst[: state.chunks_ok])
+        if seconds > 0 and nbytes > 0:
+            rate = nbytes / seconds
+            self.fetch_bytes_per_s = rate if not self.fetch_bytes_per_s else (
+                0.7 * self.fetch_bytes_per_s + 0.3 * rate)  # fmt: skip
+
+    def expected_wait_s(self, rid: str) -> float | None:
+        """Seconds until ``rid``'s pending lookup and fetch land (None: no estimate yet)."""
+        state = self.pending.get(rid)
+        if state is None or not self.fetch_bytes_per_s:
+            return None
+        left = sum(self.geometry.chunk_nbytes(k.num_tokens) for k in state.keys)
+        if state.phase == "fetch":
+            left -= (time.monotonic() - state.fetch_started) * self.fetch_bytes_per_s
+        return max(left, 0) / self.fetch_bytes_per_s
 
     def _finish_put(self, keys: list[ChunkKey], result) -> None:
         if result.status is not TaskStatus.DONE or not result.all_ok:
