@@ -23,19 +23,16 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmark"))
 
-from remote_prefix import per_turn, replay  # noqa: E402
+from remote_prefix import build_sessions, per_turn, replay, session_args  # noqa: E402
 
 from sglang_vericache.exactness.server import SGLangServer  # noqa: E402
-from sglang_vericache.models import ensure_default_model  # noqa: E402
 from sglang_vericache.tier.process import ServerProcess  # noqa: E402
 
 CONFIGS = {"plain": None, "fetch, then decode": "off", "draft while fetching": "on"}
@@ -62,24 +59,10 @@ def run_config(name: str, drafting: str | None, base: list[str], sessions: Path,
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--sessions", type=int, default=2)
-    ap.add_argument("--turns", type=int, default=5)
-    ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--bandwidth-mbps", type=float, default=100.0)
+    ap = session_args(__doc__, "fetch_drafting")
     ap.add_argument("--compressor", default="kivi:bits=4")
-    ap.add_argument("--think-s", type=float, default=3.0,
-                    help="agent tool time between turns (the previous turn's write-through lands)")
-    ap.add_argument("--out", type=Path, default=REPO / "benchmark/results/fetch_drafting")
     args = ap.parse_args()
-    model = ensure_default_model()
-    work = Path(tempfile.mkdtemp(prefix="fetch-drafting-"))
-    sessions = work / "sessions.jsonl"
-    subprocess.run([sys.executable, str(REPO / "scripts/agentic_workload.py"), "--sessions",
-                    str(args.sessions), "--turns", str(args.turns), "--answer-tokens",
-                    str(args.max_tokens), "--tokenizer", str(model / "tokenizer.json"),
-                    "-o", str(sessions)], check=True)  # fmt: skip
-    base = ["--model-path", str(model), "--max-total-tokens", "32768", "--enable-cache-report"]
+    work, sessions, base = build_sessions(args, "fetch-drafting-")
     runs = {name: run_config(name, d, base, sessions, work, args) for name, d in CONFIGS.items()}
     report = summarize(runs, args)
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -54,24 +54,35 @@ def per_turn(result: dict) -> dict[int, dict]:
             for k, rows in sorted(turns.items())}  # fmt: skip
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+def session_args(doc: str, out: str) -> argparse.ArgumentParser:
+    """The options every agent-session benchmark shares."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--sessions", type=int, default=2)
     ap.add_argument("--turns", type=int, default=5)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--bandwidth-mbps", type=float, default=100.0)
     ap.add_argument("--think-s", type=float, default=3.0,
                     help="agent tool time between turns (the previous turn's write-through lands)")
-    ap.add_argument("--out", type=Path, default=REPO / "benchmark/results/remote_prefix")
-    args = ap.parse_args()
+    ap.add_argument("--out", type=Path, default=REPO / "benchmark/results" / out)
+    return ap
+
+
+def build_sessions(args: argparse.Namespace, prefix: str) -> tuple[Path, Path, list[str]]:
+    """(work dir, sessions.jsonl, base server args) for the embedded model."""
     model = ensure_default_model()
-    work = Path(tempfile.mkdtemp(prefix="remote-prefix-"))
+    work = Path(tempfile.mkdtemp(prefix=prefix))
     sessions = work / "sessions.jsonl"
     subprocess.run([sys.executable, str(REPO / "scripts/agentic_workload.py"), "--sessions",
                     str(args.sessions), "--turns", str(args.turns), "--answer-tokens",
                     str(args.max_tokens), "--tokenizer", str(model / "tokenizer.json"),
                     "-o", str(sessions)], check=True)  # fmt: skip
     base = ["--model-path", str(model), "--max-total-tokens", "32768", "--enable-cache-report"]
+    return work, sessions, base
+
+
+def main() -> None:
+    args = session_args(__doc__, "remote_prefix").parse_args()
+    work, sessions, base = build_sessions(args, "remote-prefix-")
     runs = {}
     with SGLangServer(base, log_path=work / "single.log") as one:
         runs["single server (prefix on device)"] = replay([one.url], sessions, work / "single.json", args)

@@ -69,13 +69,18 @@ def _wait_stored(kv_server: ServerProcess, chunks: int, before: int) -> None:
     assert kv_server.stats()["puts"] - before >= chunks, kv_server.stats()
 
 
+def _two_turns(server, kv_server, tokenizer, topic: str, ask: str) -> tuple[list[int], list[int]]:
+    """Turn 1 of a conversation on ``server``, stored in the tier; returns (turn 1, turn 2) ids."""
+    ids = _prompt(tokenizer, topic)
+    before = kv_server.stats()["puts"]
+    first = _generate(server, ids)
+    _wait_stored(kv_server, len(ids) // CHUNK, before)
+    return ids, ids + first["output_ids"] + tokenizer.encode(ask)
+
+
 def test_prefix_computed_on_a_is_a_hit_on_b(servers, kv_server, plain_server, tokenizer) -> None:
     a, b = servers
-    ids = _prompt(tokenizer, "invoice")
-    before = kv_server.stats()["puts"]
-    first = _generate(a, ids)
-    _wait_stored(kv_server, len(ids) // CHUNK, before)
-    turn2 = ids + first["output_ids"] + tokenizer.encode(" Now list the exceptions.")
+    ids, turn2 = _two_turns(a, kv_server, tokenizer, "invoice", " Now list the exceptions.")
     got = _generate(b, turn2)
     assert got["meta_info"]["cached_tokens"] >= (len(ids) // CHUNK) * CHUNK, got["meta_info"]
     assert got["output_ids"] == _generate(plain_server, turn2)["output_ids"]
@@ -85,11 +90,7 @@ def test_next_turn_is_drafted_while_its_prefix_is_fetched(servers, kv_server, pl
                                                           tokenizer) -> None:  # fmt: skip
     """Same server, next turn: full KV comes back from the tier, drafts from the local compressed KV."""
     a, _ = servers
-    ids = _prompt(tokenizer, "payroll")
-    before = kv_server.stats()["puts"]
-    first = _generate(a, ids)
-    _wait_stored(kv_server, len(ids) // CHUNK, before)
-    turn2 = ids + first["output_ids"] + tokenizer.encode(" Which rule is checked first?")
+    ids, turn2 = _two_turns(a, kv_server, tokenizer, "payroll", " Which rule is checked first?")
     got = _generate(a, turn2)
     meta = got["meta_info"]
     # A kept only the compressed KV of turn 1: the full prefix came from the tier ...
