@@ -153,6 +153,7 @@ def test_draft_ahead_drafts_the_greedy_continuation_on_its_thread(hf_model, kept
     assert hub.proposals([("r2", [want[0] + 1])], most=3) is None
     assert hub.drafts("r2") == []
     assert not hub.start("r3", [1, 2, 3], max_new_tokens=4)  # no stored prefix of it
+    hub.close()
 
 
 def test_proposals_need_every_request_of_the_batch() -> None:
@@ -191,3 +192,20 @@ def test_store_keeps_the_longest_prefix_within_its_budget() -> None:
     store.check_integrity()
     with pytest.raises(ValueError, match="covers"):
         store.put([1, 2], _State(3, 1))
+
+
+def test_start_skips_a_request_whose_fetch_lands_before_a_draft_could(hf_model) -> None:
+    turn1 = torch.randint(0, VOCAB, (30,)).tolist()
+    hub = DraftAhead()
+    hub.attach(_sglang_layout(hf_model))
+    hub.park("r1", _exact_state(hf_model, turn1))
+    assert hub.remember("r1", turn1)
+    prompt = turn1 + list(range(10))
+    hub.prefill_s_per_token = 0.01  # 10 suffix tokens: 0.1 s before the first draft
+    assert not hub.start("late", prompt, 4, wait_s=0.05)
+    assert not hub.start("late", prompt, 4, wait_s=5.0)  # decided once per request
+    assert hub.skipped == 1 and "late" not in hub.jobs
+    assert hub.start("early", prompt, 4, wait_s=0.5)
+    assert hub.start("unknown", prompt, 4, wait_s=None)  # no estimate yet: draft
+    hub.close()
+    assert not hub.jobs and hub._thread is None

@@ -135,7 +135,7 @@ class DraftAhead:
         self.finished: dict[str, Any] = {}  # rid -> compressed KV, between finish and release
         self.jobs: dict[str, AheadJob] = {}
         self._declined: set[str] = set()  # waited too short to draft: asked only once
-        self._queue: queue.Queue[AheadJob] = queue.Queue()
+        self._queue: queue.Queue[AheadJob | None] = queue.Queue()  # None: the thread exits
         self._thread: threading.Thread | None = None
         self.started = self.failed = self.skipped = 0
         self.prefill_s_per_token = 0.0  # the drafter's measured suffix prefill cost (0: none yet)
@@ -241,6 +241,15 @@ class DraftAhead:
         if job is not None:
             job.stop.set()
 
+    def close(self) -> None:
+        """Stop every job and the drafting thread (waits for the step in progress)."""
+        for rid in list(self.jobs):
+            self.forget(rid)
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join(timeout=30)
+            self._thread = None
+
     # -- the drafting thread -----------------------------------------------------------------
 
     def _run(self) -> None:
@@ -250,6 +259,8 @@ class DraftAhead:
             pass
         while True:
             job = self._queue.get()
+            if job is None:
+                return
             if job.stop.is_set():
                 continue
             try:

@@ -70,3 +70,18 @@ def test_dead_server_fails_over_to_recompute() -> None:
     assert link.counters.fetch_failures >= 1
     link.close()
     server.stop()
+
+
+def test_expected_wait_comes_from_the_measured_fetch_bandwidth() -> None:
+    link = RemotePrefixLink(HostTier(TINY, capacity_bytes=1 << 20))
+    tokens = list(range(200, 200 + 4 * C))
+    link.write_through(tokens, lambda s, e: _sequence_kv(e)[..., s:e, :])
+    _settle(link, "warm", tokens, 0)
+    assert link.expected_wait_s("nobody") is None
+    _settle(link, "first", tokens + [1], 0)  # one completed fetch: the bandwidth is measured
+    assert link.fetch_bytes_per_s > 0
+    link.take("first", 0)
+    link.probe("second", tokens + [2], 0)  # lookup in flight: 4 chunks to come
+    wait = link.expected_wait_s("second")
+    assert wait is not None and wait >= 0.0
+    assert abs(wait - 4 * TINY.chunk_nbytes(C) / link.fetch_bytes_per_s) < 1e-6
