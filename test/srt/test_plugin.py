@@ -76,7 +76,7 @@ def test_help_shows_the_vericache_group() -> None:
     [
         (["--vericache-compressor", "nonsense"], ["--vericache-compressor", "streaming", "kivi"]),
         (["--vericache-tier", "disk"], ["--vericache-tier", "zmq://HOST:PORT"]),
-        (["--vericache-draft-len", "0"], ["--vericache-draft-len", "auto"]),
+        (["--vericache-draft-len", "65"], ["--vericache-draft-len", "auto", "0..64"]),
         (["--vericache", "--radix-cache-backend", "radix"], ["--radix-cache-backend", "host memory"]),
     ],
 )
