@@ -30,6 +30,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+from sglang_vericache.srt.draft_length import ewma
 from sglang_vericache.srt.llama_drafter import LlamaDrafter
 
 logger = logging.getLogger(__name__)
@@ -175,9 +176,9 @@ class DraftAhead:
         if rid in self.jobs or self.drafter is None or rid in self._declined:
             return rid in self.jobs
         prefix = self.store.longest(prompt)
-        if prefix is None or len(prompt) - len(prefix.tokens) > AHEAD_MAX_SUFFIX:
+        suffix = len(prompt) - len(prefix.tokens) if prefix is not None else 0
+        if prefix is None or suffix > AHEAD_MAX_SUFFIX:
             return False
-        suffix = len(prompt) - len(prefix.tokens)
         if wait_s is not None and suffix * self.prefill_s_per_token >= wait_s:
             if len(self._declined) >= MAX_JOBS:  # requests aborted while queued never release
                 self._declined.clear()
@@ -275,8 +276,7 @@ class DraftAhead:
         logits, kv = self.drafter.prefill(views, job.suffix, len(job.prefix.tokens),
                                           job.max_tokens)  # fmt: skip
         per_token = (time.perf_counter() - started) / max(1, len(job.suffix))
-        self.prefill_s_per_token = per_token if not self.prefill_s_per_token else (
-            0.7 * self.prefill_s_per_token + 0.3 * per_token)  # fmt: skip
+        self.prefill_s_per_token = ewma(self.prefill_s_per_token, per_token)
         token = int(logits.argmax())
         while not job.stop.is_set():
             job.drafts.append(token)

@@ -55,14 +55,15 @@ class DraftLengthController:
         )
 
     def time_draft_step(self, seconds: float) -> None:
-        self.draft_step_s = _ewma(self.draft_step_s, seconds)
+        self.draft_step_s = ewma(self.draft_step_s, seconds)
 
     def time_verify(self, seconds: float) -> None:
-        self.verify_s = _ewma(self.verify_s, seconds)
+        self.verify_s = ewma(self.verify_s, seconds)
 
     def forget(self, rid: str) -> None:
         self.estimates.pop(rid, None)
 
 
-def _ewma(previous: float, sample: float) -> float:
+def ewma(previous: float, sample: float) -> float:
+    """A moving average of measured times or rates; ``previous`` <= 0 means no sample yet."""
     return sample if previous <= 0.0 else EWMA * previous + (1 - EWMA) * sample

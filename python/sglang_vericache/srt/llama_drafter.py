@@ -105,19 +105,19 @@ class LlamaDrafter:
             values.append(vb)
             prefix.append(n)
         kv = DraftKV(keys, values, prefix, 0, start)
-        return self._run(tokens, kv)[-1], kv
+        return self._run(tokens, kv), kv
 
     @torch.inference_mode()
     def step(self, token: int, kv: DraftKV) -> Tensor:
         """Run one token after everything in ``kv``; its logits: [V]."""
         if kv.ran >= kv.capacity:
             raise ValueError("DraftKV is full: ask prefill for more capacity")
-        return self._run([token], kv)[-1]
+        return self._run([token], kv)
 
     # -- the forward -------------------------------------------------------------------------
 
     def _run(self, tokens: list[int], kv: DraftKV) -> Tensor:
-        """Tokens [S] at kv.next_pos..; appends their K/V; logits [S, V]."""
+        """Tokens [S] at kv.next_pos..; appends their K/V; logits of the last one: [V]."""
         device = self.model.lm_head.weight.device
         ids = torch.tensor(tokens, dtype=torch.int64, device=device)
         positions = torch.arange(kv.next_pos, kv.next_pos + len(tokens), device=device)
@@ -129,8 +129,9 @@ class LlamaDrafter:
                                               lo + len(tokens))  # fmt: skip
             hidden = hidden + layer.mlp(_rms_norm(layer.post_attention_layernorm, hidden))
         kv.ran, kv.next_pos = kv.ran + len(tokens), kv.next_pos + len(tokens)
-        out = _rms_norm(self.model.model.norm, hidden)
-        return out @ self.model.lm_head.weight.T
+        # Only the last token's logits are used: [V, H] x [H] instead of [S, H] x [H, V].
+        out = _rms_norm(self.model.model.norm, hidden[-1])
+        return self.model.lm_head.weight @ out
 
     def _attention(self, attn, x: Tensor, positions: Tensor, kv: DraftKV, layer: int,
                    lo: int, hi: int) -> Tensor:  # fmt: skip

@@ -28,6 +28,7 @@ from typing import Callable, Sequence
 import torch
 from torch import Tensor
 
+from sglang_vericache.srt.draft_length import ewma
 from sglang_vericache.tier import TaskStatus, chunk_keys, open_tier
 from sglang_vericache.tier.base import FullKVTier, TaskId
 from sglang_vericache.tier.geometry import KVGeometry
@@ -201,9 +202,7 @@ class RemotePrefixLink:
         seconds = time.monotonic() - state.fetch_started
         nbytes = sum(t.nbytes for t in state.dst[: state.chunks_ok])
         if seconds > 0 and nbytes > 0:
-            rate = nbytes / seconds
-            self.fetch_bytes_per_s = rate if not self.fetch_bytes_per_s else (
-                0.7 * self.fetch_bytes_per_s + 0.3 * rate)  # fmt: skip
+            self.fetch_bytes_per_s = ewma(self.fetch_bytes_per_s, nbytes / seconds)
 
     def expected_wait_s(self, rid: str) -> float | None:
         """Seconds until ``rid``'s pending lookup and fetch land (None: no estimate yet)."""
