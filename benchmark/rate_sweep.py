@@ -33,12 +33,12 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 
-from replay_agentic import stream_chat  # noqa: E402
+from replay_agentic import stream_chat
+from sglang_vericache.exactness.server import SGLangServer, http_json
+from sglang_vericache.models import ensure_default_model
 
-from benchmark.capacity import OFFLOAD_ONLY, SLOT_SLACK  # noqa: E402
-from benchmark.prompts import build_prompt_set  # noqa: E402
-from sglang_vericache.exactness.server import SGLangServer, http_json  # noqa: E402
-from sglang_vericache.models import ensure_default_model  # noqa: E402
+from benchmark.capacity import OFFLOAD_ONLY, SLOT_SLACK
+from benchmark.prompts import build_prompt_set
 
 
 def arrivals(n: int, rate: float, seed: int) -> list[float]:
@@ -121,11 +121,11 @@ def summarize(runs: dict[str, dict[float, dict]], rates: list[float]) -> list[di
 
 
 def markdown(report: dict) -> str:
-    lines = [f"Device KV budget `--max-total-tokens {report['budget_tokens']}` = {report['n_full']} "
+    lines = [(f"Device KV budget `--max-total-tokens {report['budget_tokens']}` = {report['n_full']} "
              f"full-KV requests of {report['prompt_tokens']} + {report['max_new_tokens']} tokens; "
-             f"{report['requests']} Poisson arrivals per rate (seed {report['seed']}).", "",
-             "| rate (req/s) | server | TTFT median / p90 s | TPOT median s | E2E median / p90 s "
-             "| output tok/s | identical to plain |", "|---|---|---|---|---|---|---|"]  # fmt: skip
+             f"{report['requests']} Poisson arrivals per rate (seed {report['seed']})."), "",
+             ("| rate (req/s) | server | TTFT median / p90 s | TPOT median s | E2E median / p90 s "
+             "| output tok/s | identical to plain |"), "|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in report["rows"]:
         lines.append(f"| {r['rate']} | {r['server']} | {r['ttft_median_s']} / {r['ttft_p90_s']} | "
                      f"{r['tpot_median_s']} | {r['e2e_median_s']} / {r['e2e_p90_s']} | "
