@@ -24,20 +24,21 @@ import math
 import os
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmark.compressors_report import write_outputs  # noqa: E402
-from benchmark.compressors_engine import DraftBuffers, DraftEngine  # noqa: E402
-from benchmark.prompts import build_prompt_set, prompt_set_digest  # noqa: E402
-from sglang_vericache.compress import (  # noqa: E402
+from sglang_vericache.compress import (
     CompressedLayerCache,
     Observation,
     build_compressor,
 )
+
+from benchmark.compressors_chains import Chain, reference, run_chains
+from benchmark.compressors_engine import DraftEngine
+from benchmark.compressors_report import write_outputs
+from benchmark.prompts import build_prompt_set, prompt_set_digest
 
 DROPPERS = ("streaming", "snapkv", "h2o", "knorm", "pyramid")
 QUANTIZERS = ("kivi", "turbo")
@@ -109,137 +110,6 @@ def fit_spec(family: str, target: float, t: int, geo) -> str:
         else:
             hi = mid
     return family_spec(family, target, lo)
-
-
-@dataclass
-class Chain:
-    """One draft trajectory over one compressed cache.
-
-    lossy: pure lossy decoding (measure a); otherwise drafts of ``x`` verified against the
-    reference (measure b). ``p``: reference tokens committed (ref[0] comes from the prefill).
-    """
-
-    config: int
-    x: int
-    lossy: bool
-    caches: list[CompressedLayerCache]
-    p: int = 1
-    m: int = 0
-    done: bool = False
-    matched: int = 0
-    accepted: list[int] | None = None
-    view_len: list[int] | None = None
-    synced: list[int] | None = None
-
-
-def _load(chain: Chain, buf: DraftBuffers, slot: int) -> None:
-    for li, cache in enumerate(chain.caches):
-        k, v, _ = cache.view()
-        buf.write(li, slot, 0, k, v)
-        chain.view_len[li] = k.shape[1]
-        chain.synced[li] = cache.version
-
-
-def _commit(chain: Chain, buf: DraftBuffers, slot: int, ref, t: int) -> None:
-    """Ends a verify round: drop draft KV, append the exact KV of newly committed tokens."""
-    acc = chain.m + 1
-    chain.accepted.append(acc)
-    lo, hi = chain.p - 1, chain.p - 1 + acc  # tokens whose KV now enters the cache
-    chain.p += acc
-    chain.m = 0
-    pos = torch.arange(t + lo, t + hi)
-    for li, cache in enumerate(chain.caches):
-        cache.append(
-            ref.keys[li][:, lo:hi], ref.values[li][:, lo:hi], pos, ref.queries[li][:, lo:hi]
-        )
-        if cache.version != chain.synced[li]:
-            k, v, _ = cache.view()
-            buf.write(li, slot, 0, k, v)
-            chain.view_len[li] = k.shape[1]
-            chain.synced[li] = cache.version
-        else:
-            buf.write(
-                li, slot, chain.view_len[li], ref.keys[li][:, lo:hi], ref.values[li][:, lo:hi]
-            )
-            chain.view_len[li] += hi - lo
-
-
-@dataclass
-class Reference:
-    tokens: list[int]  # ref[0] from the prefill, then full-KV greedy
-    keys: list[torch.Tensor]  # per layer [H_kv, n, D]: KV of ref[0..n-1] (fed at T + i)
-    values: list[torch.Tensor]
-    queries: list[torch.Tensor]  # per layer [H_q, n, D]
-
-
-def reference(engine: DraftEngine, pre, t: int, length: int) -> Reference:
-    geo = engine.geo
-    buf = DraftBuffers(geo, 1, t + length + 1)
-    for li in range(geo.num_layers):
-        buf.write(li, 0, 0, pre.keys[li], pre.values[li])
-    toks = [pre.first_token]
-    per_layer: list[list] = [[] for _ in range(geo.num_layers)]
-    for i in range(length - 1):
-        nxt, cap = engine.step(buf, torch.tensor([toks[-1]]), torch.tensor([t + i]), capture=True)
-        for li, (q, k, v) in enumerate(cap):
-            per_layer[li].append((q[0], k[0], v[0]))
-        toks.append(int(nxt[0]))
-    stack = lambda li, j: torch.stack([c[j] for c in per_layer[li]], dim=1)  # noqa: E731
-    n = geo.num_layers
-    return Reference(
-        toks,
-        [stack(li, 1) for li in range(n)],
-        [stack(li, 2) for li in range(n)],
-        [stack(li, 0) for li in range(n)],
-    )
-
-
-def run_chains(
-    engine: DraftEngine,
-    chains: list[Chain],
-    ref: Reference,
-    t: int,
-    horizon: int,
-    mem_budget: float,
-) -> None:
-    """Drafts all chains in batches of similar cache size until each is done."""
-    geo = engine.geo
-    size = lambda c: max(x.compressed.num_kept + x.num_pending for x in c.caches)  # noqa: E731
-    order = sorted(chains, key=size)
-    per_token = (
-        2 * geo.num_layers * geo.num_kv_heads * geo.head_dim * torch.finfo(geo.dtype).bits // 8
-    )
-    i = 0
-    while i < len(order):
-        cap = size(order[i]) + horizon + 80
-        batch = max(1, min(16, int(mem_budget // (per_token * cap))))
-        group = order[i : i + batch]
-        cap = max(size(c) for c in group) + horizon + 80
-        i += len(group)
-        buf = DraftBuffers(geo, len(group), cap)
-        for slot, c in enumerate(group):
-            c.view_len, c.synced = [0] * geo.num_layers, [0] * geo.num_layers
-            c.accepted = []
-            _load(c, buf, slot)
-        while not all(c.done for c in group):
-            toks = torch.tensor([ref.tokens[c.p - 1 + c.m] for c in group])
-            pos = torch.tensor([t + c.p - 1 + c.m for c in group])
-            nxt, _ = engine.step(buf, toks, pos)
-            for slot, c in enumerate(group):
-                if c.done:
-                    continue
-                hit = int(nxt[slot]) == ref.tokens[c.p + c.m]
-                c.m += hit
-                if c.lossy:
-                    if not hit or c.m >= horizon:
-                        c.matched, c.done = c.m, True
-                elif not hit or c.m == c.x:
-                    _commit(c, buf, slot, ref, t)
-                    c.done = c.p - 1 >= horizon
-            # finished chains keep stepping harmlessly; keep their buffers from overflowing
-            for slot, c in enumerate(group):
-                if c.done:
-                    buf.lengths[:, slot] = buf.lengths[:, slot].clamp_max(cap - 1)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -340,9 +210,10 @@ def main(argv: list[str] | None = None) -> dict:
             row["specs"].append(spec)
             row["ratio"].append(sum(c.full_nbytes() for c in compressed) / stored)
             row["bytes_per_token"].append(stored / t)
+            # mk() runs only within this iteration, so late binding of comp/compressed is harmless
             mk = lambda: [
-                CompressedLayerCache(comp, li, c, num_layers=geo.num_layers)  # noqa: E731
-                for li, c in enumerate(compressed)
+                CompressedLayerCache(comp, li, c, num_layers=geo.num_layers)  # noqa: B023
+                for li, c in enumerate(compressed)  # noqa: B023
             ]
             chains.append(Chain(ci, 0, True, mk()))
             for x in xs:
