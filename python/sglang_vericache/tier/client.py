@@ -25,22 +25,29 @@ import os
 import threading
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from sglang_vericache.tier.base import (
-    FullKVTier, TaskId, TaskKind, TaskResult, TaskStatus, check_batch, prefix_closed,
-)
+from sglang_vericache.tier.base import TaskId, TaskKind, TaskStatus, check_batch, prefix_closed
 from sglang_vericache.tier.geometry import KVGeometry
 from sglang_vericache.tier.keys import ChunkKey
 from sglang_vericache.tier.protocol import (
-    PROTOCOL_VERSION, ChunkManifest, Op, ProtocolError, PutStatus, check_mac, require, seal,
+    PROTOCOL_VERSION,
+    ChunkManifest,
+    Op,
+    ProtocolError,
+    PutStatus,
+    check_mac,
+    require,
+    seal,
     unpack_header,
 )
+from sglang_vericache.tier.task_table import TaskTableTier
 
 logger = logging.getLogger("sglang_vericache.tier.client")
 
@@ -69,7 +76,7 @@ class _Task:
     copy_lock: threading.Lock = field(default_factory=threading.Lock)
 
 
-class ZmqTier(FullKVTier):
+class ZmqTier(TaskTableTier[_Task]):
     """Client of one zmq KV server at ``endpoint`` ("tcp://HOST:PORT"). Thread-safe.
 
     timeout_s: a request without a reply after this long fails.
@@ -81,19 +88,14 @@ class ZmqTier(FullKVTier):
                  connect_timeout_s: float = 2.0, secret: bytes | None = None) -> None:
         if timeout_s <= 0 or connect_timeout_s <= 0:
             raise ValueError("timeouts must be > 0")
+        super().__init__(_COUNTERS)
         self.geometry = geometry
         self.endpoint = endpoint
         self.timeout_s = timeout_s
         self.connect_timeout_s = min(connect_timeout_s, timeout_s)
         self._secret = secret
         self._ns = geometry.namespace()
-        self._lock = threading.Lock()
         self._inbox: deque[_Task] = deque()
-        self._tasks: dict[TaskId, _Task] = {}
-        self._results: dict[TaskId, TaskResult] = {}
-        self._counters = dict.fromkeys(_COUNTERS, 0)
-        self._next_id = 1
-        self._closed = False
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
         for opt, value in ((zmq.LINGER, 0), (zmq.IMMEDIATE, 1), (zmq.SNDHWM, 0),
@@ -126,47 +128,14 @@ class ZmqTier(FullKVTier):
         check_batch(self.geometry, keys, None, "keys")
         return self._submit(TaskKind.LOOKUP, keys, [])
 
-    def poll(self) -> dict[TaskId, TaskResult]:
-        with self._lock:
-            out, self._results = self._results, {}
-        return out
-
-    def cancel(self, task_id: TaskId) -> None:
-        with self._lock:
-            task = self._tasks.get(task_id)
-            if task is None:
-                return
-            task.cancelled = True
-        with task.copy_lock:  # waits for at most one chunk copy already under way
-            pass
-        self._finish(task, TaskStatus.CANCELLED, [False] * len(task.keys), error="cancelled")
-
     def close(self) -> None:
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            pending = list(self._tasks.values())
-        for task in pending:
-            self.cancel(task.task_id)
+        if not self._close_tasks():
+            return
         with self._lock:
             self._wake()
         self._thread.join(timeout=5.0)
         os.close(self._wake_r)
         os.close(self._wake_w)
-
-    def stats(self) -> dict[str, int]:
-        with self._lock:
-            return dict(self._counters)
-
-    def check_integrity(self) -> None:
-        with self._lock:
-            assert not set(self._tasks) & set(self._results), "a task is pending and done"
-            assert all(t.task_id == i for i, t in self._tasks.items())
-            assert all(r.task_id == i for i, r in self._results.items())
-            c = self._counters
-            assert c["completed"] + len(self._tasks) == c["submitted"], "lost a task"
-            assert all(v >= 0 for v in c.values())
 
     # -- bookkeeping -----------------------------------------------------------------------
     def _submit(self, kind: TaskKind, keys: Sequence[ChunkKey],
@@ -191,31 +160,9 @@ class ZmqTier(FullKVTier):
         except BlockingIOError:
             pass
 
-    def _count(self, name: str, n: int = 1) -> None:
-        with self._lock:
-            self._counters[name] += n
-
-    def _finish(self, task: _Task, status: TaskStatus, ok: Sequence[bool], *, nbytes: int = 0,
-                error: str | None = None) -> None:
-        """Publish a task's one result (later calls for the same task are ignored)."""
-        if task.kind is not TaskKind.PUT:
-            ok = prefix_closed(ok)
-        result = TaskResult(task.task_id, task.kind, status, tuple(ok), nbytes, error)
-        with self._lock:
-            if self._tasks.pop(task.task_id, None) is None:
-                return
-            self._results[task.task_id] = result
-            self._counters["completed"] += 1
-            if status is TaskStatus.FAILED:
-                self._counters["failures"] += 1
-            elif status is TaskStatus.CANCELLED:
-                self._counters["cancelled"] += 1
-            if task.kind is TaskKind.FETCH and not result.all_ok \
-                    and status is not TaskStatus.CANCELLED:
-                self._counters["fallbacks"] += 1
-        if status is TaskStatus.FAILED:
-            logger.warning("%s task %d to %s failed: %s", task.kind.value, task.task_id,
-                           self.endpoint, error)
+    def _log_failure(self, task: _Task, error: str | None) -> None:
+        logger.warning("%s task %d to %s failed: %s", task.kind.value, task.task_id,
+                       self.endpoint, error)
 
     def _fail(self, task: _Task, error: str, counter: str) -> None:
         self._count(counter)

@@ -34,19 +34,23 @@ import struct
 import threading
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
-from sglang_vericache.tier.base import (
-    FullKVTier, TaskId, TaskKind, TaskResult, TaskStatus, check_batch, prefix_closed,
-)
+from sglang_vericache.tier.base import TaskId, TaskKind, TaskStatus, check_batch
 from sglang_vericache.tier.geometry import KVGeometry
 from sglang_vericache.tier.keys import ChunkKey
-from sglang_vericache.tier.protocol import CHECKSUM_BYTES, KEY_BYTES, NAMESPACE_BYTES, \
-    layer_checksums
+from sglang_vericache.tier.protocol import (
+    CHECKSUM_BYTES,
+    KEY_BYTES,
+    NAMESPACE_BYTES,
+    layer_checksums,
+)
+from sglang_vericache.tier.task_table import TaskTableTier
 
 logger = logging.getLogger("sglang_vericache.tier.lmcache")
 
@@ -101,7 +105,7 @@ class _Task:
     copy_lock: threading.Lock = field(default_factory=threading.Lock)
 
 
-class LMCacheTier(FullKVTier):
+class LMCacheTier(TaskTableTier[_Task]):
     """Full-KV tier on ``lmcache server`` at HOST:PORT (engine-driven mode). Thread-safe.
     Construction never contacts the server; registration happens on the I/O thread, and
     a server that is down or incompatible turns into FAILED tasks (logged, counted)."""
@@ -116,6 +120,7 @@ class LMCacheTier(FullKVTier):
             raise ValueError("the lmcache tier needs chunk_tokens >= 9 (key encoding)")
         if g.layer_nbytes(g.chunk_tokens) < manifest_nbytes(g.num_layers):
             raise ValueError("a layer of one chunk is too small to hold the manifest")
+        super().__init__(_COUNTERS)
         self.geometry = g
         self.url = f"tcp://{host}:{port}"
         self.timeout_s = timeout_s
@@ -125,16 +130,10 @@ class LMCacheTier(FullKVTier):
         shape = (2, 2, g.chunk_tokens, g.num_kv_heads, g.head_dim)
         self._staging = {f"layer.{i}": torch.zeros(shape, dtype=g.torch_dtype)
                          for i in range(g.num_layers + 1)}
-        self._lock = threading.Lock()
-        self._results: dict[TaskId, TaskResult] = {}
-        self._tasks: dict[TaskId, _Task] = {}
-        self._counters = dict.fromkeys(_COUNTERS, 0)
-        self._next_id = 1
         self._queue: queue.Queue[_Task | None] = queue.Queue()
         self._client: Any = None
         self._transfer: Any = None
         self._zmq_ctx: Any = None
-        self._closed = False
         self._thread = threading.Thread(target=self._run, name=f"vericache-lmcache:{self.url}",
                                         daemon=True)
         self._thread.start()
@@ -152,44 +151,11 @@ class LMCacheTier(FullKVTier):
         check_batch(self.geometry, keys, None, "keys")
         return self._submit(TaskKind.LOOKUP, keys, [])
 
-    def poll(self) -> dict[TaskId, TaskResult]:
-        with self._lock:
-            out, self._results = self._results, {}
-        return out
-
-    def cancel(self, task_id: TaskId) -> None:
-        with self._lock:
-            task = self._tasks.get(task_id)
-            if task is None:
-                return
-            task.cancelled = True
-        with task.copy_lock:
-            pass
-        self._finish(task, TaskStatus.CANCELLED, [False] * len(task.keys), "cancelled")
-
     def close(self) -> None:
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            pending = list(self._tasks.values())
-        for task in pending:
-            self.cancel(task.task_id)
+        if not self._close_tasks():
+            return
         self._queue.put(None)
         self._thread.join(timeout=self.timeout_s)
-
-    def stats(self) -> dict[str, int]:
-        with self._lock:
-            return dict(self._counters)
-
-    def check_integrity(self) -> None:
-        with self._lock:
-            assert not set(self._tasks) & set(self._results), "a task is pending and done"
-            assert all(t.task_id == i for i, t in self._tasks.items())
-            assert all(r.task_id == i for i, r in self._results.items())
-            c = self._counters
-            assert c["completed"] + len(self._tasks) == c["submitted"], "lost a task"
-            assert all(v >= 0 for v in c.values())
 
     # -- bookkeeping -----------------------------------------------------------------------
     def _submit(self, kind: TaskKind, keys: Sequence[ChunkKey],
@@ -204,26 +170,8 @@ class LMCacheTier(FullKVTier):
         self._queue.put(task)
         return task.task_id
 
-    def _count(self, name: str, n: int = 1) -> None:
-        with self._lock:
-            self._counters[name] += n
-
-    def _finish(self, task: _Task, status: TaskStatus, ok: Sequence[bool],
-                error: str | None, nbytes: int = 0) -> None:
-        flags = tuple(ok) if task.kind is TaskKind.PUT else prefix_closed(ok)
-        with self._lock:
-            if self._tasks.pop(task.task_id, None) is None:
-                return
-            self._results[task.task_id] = TaskResult(task.task_id, task.kind, status, flags,
-                                                     nbytes, error)
-            self._counters["completed"] += 1
-            self._counters["failures"] += status is TaskStatus.FAILED
-            self._counters["cancelled"] += status is TaskStatus.CANCELLED
-            if task.kind is TaskKind.FETCH and status is not TaskStatus.CANCELLED \
-                    and not (status is TaskStatus.DONE and all(flags)):
-                self._counters["fallbacks"] += 1
-        if status is TaskStatus.FAILED:
-            logger.warning("lmcache %s task %d failed: %s", task.kind.value, task.task_id, error)
+    def _log_failure(self, task: _Task, error: str | None) -> None:
+        logger.warning("lmcache %s task %d failed: %s", task.kind.value, task.task_id, error)
 
     # -- I/O thread ------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -241,7 +189,7 @@ class LMCacheTier(FullKVTier):
                     self._do_lookup(task)
                 else:
                     self._do_fetch(task)
-            except Exception as exc:  # LMCache raises many types; all mean "no data"
+            except Exception as exc:  # noqa: BLE001 - LMCache raises many types; all mean "no data"
                 self._drop_connection()
                 self._finish(task, TaskStatus.FAILED, [False] * len(task.keys),
                              f"{type(exc).__name__}: {exc}")
@@ -274,7 +222,7 @@ class LMCacheTier(FullKVTier):
                        lambda: self._client.close(), lambda: self._zmq_ctx.term()):
             try:
                 closer()
-            except Exception:  # best effort: the server may be gone
+            except Exception:  # noqa: BLE001, S110 - best effort: the server may be gone
                 pass
         self._transfer = self._client = self._zmq_ctx = None
 
@@ -302,7 +250,7 @@ class LMCacheTier(FullKVTier):
                 self._client.free_lookup_locks(self._lm_key(key, request_id), 1) \
                     .result(timeout=self.timeout_s)
             self._client.end_session(request_id).result(timeout=self.timeout_s)
-        except Exception as exc:  # cleanup only; locks also expire on the server
+        except Exception as exc:  # noqa: BLE001 - cleanup only; locks also expire on the server
             logger.info("lmcache session cleanup failed: %s", exc)
 
     def _do_lookup(self, task: _Task) -> None:

@@ -10,15 +10,13 @@ bytes are buffered). ``--bandwidth-mbps`` emulates a slower remote store: replie
 payload leave no faster than that many megabytes (10^6 bytes) per second on a shared
 outbound link, and put acknowledgements wait for the same rate on the inbound link.
 Throttled replies are queued, not slept on, so small requests keep being served.
+Configuration and command line: ``server_config.py``.
 """
 
 from __future__ import annotations
 
-import argparse
 import heapq
-import ipaddress
 import logging
-import os
 import signal
 import sys
 import time
@@ -29,54 +27,24 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from sglang_vericache.tier.protocol import (
-    KEY_BYTES, NAMESPACE_BYTES, PROTOCOL_VERSION, ChunkManifest, ErrorCode, Op, ProtocolError,
+    KEY_BYTES,
+    NAMESPACE_BYTES,
+    PROTOCOL_VERSION,
+    ChunkManifest,
+    ErrorCode,
+    Op,
+    ProtocolError,
     PutStatus,
-    check_mac, require, require_keys, seal, unpack_header,
+    check_mac,
+    require,
+    require_keys,
+    seal,
+    unpack_header,
 )
+from sglang_vericache.tier.server_config import ServerConfig, build_arg_parser, read_secret
 from sglang_vericache.tier.store import Admission, LRUByteStore
 
 logger = logging.getLogger("sglang_vericache.tier.server")
-
-SECRET_ENV = "VERICACHE_TIER_SECRET"
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:  # an interface name or hostname: treat as exposed
-        return False
-
-
-@dataclass(frozen=True, slots=True)
-class ServerConfig:
-    """bandwidth_mb_s: megabytes (10^6 B) per second, None = unthrottled. port 0 = any free."""
-
-    capacity_bytes: int
-    host: str = "127.0.0.1"
-    port: int = 7300
-    bandwidth_mb_s: float | None = None
-    secret: bytes | None = None
-    max_frame_bytes: int = 1 << 30
-    fault_injection: bool = False
-
-    def __post_init__(self) -> None:
-        if self.capacity_bytes <= 0:
-            raise ValueError("capacity must be > 0")
-        if not 0 <= self.port <= 65535:
-            raise ValueError(f"bad port {self.port}")
-        if self.bandwidth_mb_s is not None and self.bandwidth_mb_s <= 0:
-            raise ValueError("bandwidth must be > 0 MB/s")
-        if self.max_frame_bytes <= 0:
-            raise ValueError("max_frame_bytes must be > 0")
-        if self.secret is not None and len(self.secret) < 16:
-            raise ValueError("the shared secret must be at least 16 bytes")
-        if not is_loopback(self.host) and self.secret is None:
-            raise ValueError(f"refusing to bind non-loopback address {self.host!r} without a "
-                             f"shared secret (--secret-file or ${SECRET_ENV})")
-        if self.fault_injection and not is_loopback(self.host):
-            raise ValueError("--fault-injection is only allowed on a loopback address")
 
 
 @dataclass(slots=True)
@@ -369,35 +337,6 @@ class KVTierServer:
             logger.warning("reply dropped: %s", exc)
 
 
-def _read_secret(path: str | None) -> bytes | None:
-    if path is not None:
-        with open(path, "rb") as f:
-            return f.read().strip()
-    env = os.environ.get(SECRET_ENV)
-    return env.encode() if env else None
-
-
-def build_arg_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m sglang_vericache.tier.server",
-                                description="VeriCache full-KV tier server (pyzmq ROUTER, LRU).")
-    p.add_argument("--host", default="127.0.0.1",
-                   help="address to bind (default 127.0.0.1; non-loopback needs a secret)")
-    p.add_argument("--port", type=int, default=7300, help="TCP port (0 = pick a free one)")
-    p.add_argument("--capacity-gb", type=float, required=True,
-                   help="byte budget in GiB (2^30 B); least recently used chunks are evicted")
-    p.add_argument("--bandwidth-mbps", type=float, default=None, metavar="MB_PER_S",
-                   help="throttle to this many MEGABYTES (10^6 B) per second, not megabits; "
-                        "emulates remote storage (default: unthrottled)")
-    p.add_argument("--secret-file", default=None,
-                   help=f"file holding the shared secret (>= 16 bytes); default ${SECRET_ENV}")
-    p.add_argument("--max-frame-mb", type=float, default=1024.0,
-                   help="largest accepted frame in MiB; bigger ones disconnect the sender")
-    p.add_argument("--fault-injection", action="store_true",
-                   help="enable the test-only 'corrupt' op (loopback only)")
-    p.add_argument("--log-level", default="INFO")
-    return p
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_arg_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
@@ -405,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = ServerConfig(
             capacity_bytes=int(args.capacity_gb * (1 << 30)), host=args.host, port=args.port,
-            bandwidth_mb_s=args.bandwidth_mbps, secret=_read_secret(args.secret_file),
+            bandwidth_mb_s=args.bandwidth_mbps, secret=read_secret(args.secret_file),
             max_frame_bytes=int(args.max_frame_mb * (1 << 20)),
             fault_injection=args.fault_injection)
         server = KVTierServer(config)
