@@ -120,14 +120,6 @@ class ZmqTier(TaskTableTier[_Task]):
             raise ValueError("ZmqTier.submit_put needs CPU chunks (copy device KV to host first)")
         return self._submit(TaskKind.PUT, keys, chunks)
 
-    def submit_fetch(self, keys: Sequence[ChunkKey], dst: Sequence[torch.Tensor]) -> TaskId:
-        check_batch(self.geometry, keys, dst, "dst")
-        return self._submit(TaskKind.FETCH, keys, dst)
-
-    def submit_lookup(self, keys: Sequence[ChunkKey]) -> TaskId:
-        check_batch(self.geometry, keys, None, "keys")
-        return self._submit(TaskKind.LOOKUP, keys, [])
-
     def close(self) -> None:
         if not self._close_tasks():
             return

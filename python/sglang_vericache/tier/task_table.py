@@ -16,12 +16,15 @@ from abc import abstractmethod
 from collections.abc import Sequence
 from typing import Generic, Protocol, TypeVar
 
+import torch
+
 from sglang_vericache.tier.base import (
     FullKVTier,
     TaskId,
     TaskKind,
     TaskResult,
     TaskStatus,
+    check_batch,
     prefix_closed,
 )
 from sglang_vericache.tier.keys import ChunkKey
@@ -57,10 +60,23 @@ class TaskTableTier(FullKVTier, Generic[T]):
         self._closed = False
 
     @abstractmethod
+    def _submit(self, kind: TaskKind, keys: Sequence[ChunkKey],
+                tensors: Sequence[torch.Tensor]) -> TaskId:
+        """Register a task for already-checked arguments and hand it to the worker thread."""
+
+    @abstractmethod
     def _log_failure(self, task: T, error: str | None) -> None:
         """Log a task that finished FAILED (each tier names its own server)."""
 
     # -- public API (any thread) ----------------------------------------------------------
+    def submit_fetch(self, keys: Sequence[ChunkKey], dst: Sequence[torch.Tensor]) -> TaskId:
+        check_batch(self.geometry, keys, dst, "dst")
+        return self._submit(TaskKind.FETCH, keys, dst)
+
+    def submit_lookup(self, keys: Sequence[ChunkKey]) -> TaskId:
+        check_batch(self.geometry, keys, None, "keys")
+        return self._submit(TaskKind.LOOKUP, keys, [])
+
     def poll(self) -> dict[TaskId, TaskResult]:
         with self._lock:
             out, self._results = self._results, {}
