@@ -10,14 +10,16 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(REPO))
-from benchmark.rate_sweep import arrivals, markdown, pct, summarize  # noqa: E402
+import itertools
+
+from benchmark.rate_sweep import arrivals, markdown, pct, summarize
 
 
 def test_arrivals_are_poisson_at_the_rate_and_reproducible() -> None:
     offsets = arrivals(4000, rate=0.5, seed=3)
     assert offsets[0] == 0.0
     assert offsets == sorted(offsets) and offsets == arrivals(4000, rate=0.5, seed=3)
-    gaps = [b - a for a, b in zip(offsets, offsets[1:])]
+    gaps = [b - a for a, b in itertools.pairwise(offsets)]
     assert statistics.mean(gaps) == pytest.approx(2.0, rel=0.08)  # 1 / rate
     assert statistics.pstdev(gaps) == pytest.approx(2.0, rel=0.1)  # exponential: sd = mean
     assert arrivals(10, rate=0.5, seed=4) != arrivals(10, rate=0.5, seed=3)
