@@ -3,7 +3,8 @@
 For every compressor family at 2x/4x/8x *measured* compression (bytes of the tensors actually
 stored vs the full KV in the model's dtype), on a fixed offline prompt set:
   (a) tokens lossy-only greedy decoding from the compressed cache matches full-KV greedy before
-      its first divergence (capped at the horizon; the first token comes from the full prefill);
+      its first divergence (capped at the horizon; the first token comes from the full prefill),
+      and the mean KL(full KV || compressed) of the next-token distributions over those steps;
   (b) mean accepted length per verify when drafting x tokens from the compressed cache and
       verifying against the full KV (accepted = matched draft prefix + 1 correction/bonus token;
       committed tokens join the compressed cache with their exact KV, via CompressedLayerCache);
@@ -164,6 +165,7 @@ def main(argv: list[str] | None = None) -> dict:
             "ratio": [],
             "bytes_per_token": [],
             "matched": [],
+            "kl": [],
             "accepted": {x: [] for x in xs},
         }
         for cfg in configs
@@ -225,6 +227,7 @@ def main(argv: list[str] | None = None) -> dict:
             row = rows[configs[c.config]]
             if c.lossy:
                 row["matched"].append(c.matched)
+                row["kl"].append(c.kl_sum / max(c.kl_steps, 1))
             else:
                 row["accepted"][c.x].append(c.accepted)
         # Written after every prompt, so an interrupted run still leaves consistent results.
@@ -263,8 +266,8 @@ def _resume_shard(args, rows: dict, xs: list[int]) -> tuple[int, float, float]:
         return 0, 0.0, 0.0
     for (f, r), row in rows.items():
         got = shard["rows"][f"{f}|{r}"]
-        for key in ("specs", "ratio", "bytes_per_token", "matched"):
-            row[key].extend(got[key])
+        for key in ("specs", "ratio", "bytes_per_token", "matched", "kl"):
+            row[key].extend(got.get(key, []))
         for x in xs:
             row["accepted"][x].extend(got["accepted"][str(x)])
     return shard["done"], shard["seconds"], shard["cpu_seconds"]
@@ -284,8 +287,8 @@ def _merge(args, model_name, geo, prompts, tok, rows, families, ratios, xs) -> d
         done, seconds, cpu = done + shard["done"], max(seconds, shard["seconds"]), cpu + shard["cpu_seconds"]
         for (f, r), row in rows.items():
             got = shard["rows"][f"{f}|{r}"]
-            for key in ("specs", "ratio", "bytes_per_token", "matched"):
-                row[key].extend(got[key])
+            for key in ("specs", "ratio", "bytes_per_token", "matched", "kl"):
+                row[key].extend(got.get(key, []))
             for x in xs:
                 row["accepted"][x].extend(got["accepted"][str(x)])
     meta = _meta(args, model_name, geo, prompts, tok, done, time.time(), time.process_time())

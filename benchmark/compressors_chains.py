@@ -23,6 +23,8 @@ class Chain:
 
     lossy: pure lossy decoding (measure a); otherwise drafts of ``x`` verified against the
     reference (measure b). ``p``: reference tokens committed (ref[0] comes from the prefill).
+    kl_sum / kl_steps (lossy only): KL(full-KV || compressed) of the next-token distributions,
+    summed over the steps decoded until the first divergence (that step included).
     """
 
     config: int
@@ -36,6 +38,8 @@ class Chain:
     accepted: list[int] | None = None
     view_len: list[int] | None = None
     synced: list[int] | None = None
+    kl_sum: float = 0.0
+    kl_steps: int = 0
 
 
 def _load(chain: Chain, buf: DraftBuffers, slot: int) -> None:
@@ -76,6 +80,7 @@ class Reference:
     keys: list[torch.Tensor]  # per layer [H_kv, n, D]: KV of ref[0..n-1] (fed at T + i)
     values: list[torch.Tensor]
     queries: list[torch.Tensor]  # per layer [H_q, n, D]
+    logprobs: torch.Tensor  # [n - 1, V] float32: full-KV next-token log-probs after ref[i]
 
 
 def reference(engine: DraftEngine, pre, t: int, length: int) -> Reference:
@@ -85,11 +90,15 @@ def reference(engine: DraftEngine, pre, t: int, length: int) -> Reference:
         buf.write(li, 0, 0, pre.keys[li], pre.values[li])
     toks = [pre.first_token]
     per_layer: list[list] = [[] for _ in range(geo.num_layers)]
+    logprobs = []
     for i in range(length - 1):
-        nxt, cap = engine.step(buf, torch.tensor([toks[-1]]), torch.tensor([t + i]), capture=True)
+        nxt, cap, lp = engine.step(
+            buf, torch.tensor([toks[-1]]), torch.tensor([t + i]), capture=True, logprobs=True
+        )
         for li, (q, k, v) in enumerate(cap):
             per_layer[li].append((q[0], k[0], v[0]))
         toks.append(int(nxt[0]))
+        logprobs.append(lp[0])
     stack = lambda li, j: torch.stack([c[j] for c in per_layer[li]], dim=1)
     n = geo.num_layers
     return Reference(
@@ -97,7 +106,15 @@ def reference(engine: DraftEngine, pre, t: int, length: int) -> Reference:
         [stack(li, 1) for li in range(n)],
         [stack(li, 2) for li in range(n)],
         [stack(li, 0) for li in range(n)],
+        torch.stack(logprobs),
     )
+
+
+def kl_divergence(ref_logprobs: torch.Tensor, logprobs: torch.Tensor) -> float:
+    """KL(p || q) in nats for log-probs [V] (tokens p gives no mass, e.g. banned, count 0)."""
+    p = ref_logprobs.exp()
+    terms = torch.where(p > 0, p * (ref_logprobs - logprobs), torch.zeros_like(p))
+    return float(terms.sum())
 
 
 def run_chains(
@@ -130,10 +147,14 @@ def run_chains(
         while not all(c.done for c in group):
             toks = torch.tensor([ref.tokens[c.p - 1 + c.m] for c in group])
             pos = torch.tensor([t + c.p - 1 + c.m for c in group])
-            nxt, _ = engine.step(buf, toks, pos)
+            lossy = any(c.lossy and not c.done for c in group)
+            nxt, _, lp = engine.step(buf, toks, pos, logprobs=lossy)
             for slot, c in enumerate(group):
                 if c.done:
                     continue
+                if c.lossy:  # same input and position as reference step p - 1 + m
+                    c.kl_sum += kl_divergence(ref.logprobs[c.p - 1 + c.m], lp[slot])
+                    c.kl_steps += 1
                 hit = int(nxt[slot]) == ref.tokens[c.p + c.m]
                 c.m += hit
                 if c.lossy:

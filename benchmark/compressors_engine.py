@@ -83,12 +83,12 @@ class DraftEngine:
         x = x + layer.self_attn.o_proj(o.transpose(1, 2).reshape(b, s, -1))
         return x + layer.mlp(layer.post_attention_layernorm(x))
 
-    def _logits_to_token(self, x: Tensor) -> Tensor:
+    def _logits(self, x: Tensor) -> Tensor:
         m = self.model
         logits = m.lm_head(m.model.norm(x)).float()
         if self.banned_token is not None:
             logits[..., self.banned_token] = float("-inf")
-        return logits.argmax(dim=-1)
+        return logits
 
     @torch.inference_mode()
     def prefill(self, ids: Tensor, obs_window: int, attention_stride: int | None) -> Prefill:
@@ -112,18 +112,24 @@ class DraftEngine:
                     _accumulated_attention(q[0], k[0], attention_stride, layer.self_attn.scaling)
                 )
             x = self._finish_layer(layer, x, o)
-        first = int(self._logits_to_token(x[:, -1])[0])
+        first = int(self._logits(x[:, -1]).argmax(dim=-1)[0])
         return Prefill(keys, values, lastq, accs if attention_stride is not None else None, first)
 
     @torch.inference_mode()
     def step(
-        self, buffers: DraftBuffers, tokens: Tensor, positions: Tensor, capture: bool = False
-    ) -> tuple[Tensor, list[tuple[Tensor, Tensor, Tensor]] | None]:
+        self,
+        buffers: DraftBuffers,
+        tokens: Tensor,
+        positions: Tensor,
+        capture: bool = False,
+        logprobs: bool = False,
+    ) -> tuple[Tensor, list[tuple[Tensor, Tensor, Tensor]] | None, Tensor | None]:
         """One decode step for every chain of ``buffers``.
 
         tokens, positions: [B] int64. The new token's K/V go to slot ``lengths[l, b]`` of each
         layer, which then grows by one. Returns (next greedy token [B], per layer (q [B, H_q, D],
-        k [B, H_kv, D], v [B, H_kv, D]) when ``capture``).
+        k [B, H_kv, D], v [B, H_kv, D]) when ``capture``, next-token log-probs [B, V] float32
+        when ``logprobs``).
         """
         m = self.model
         b = tokens.numel()
@@ -150,7 +156,8 @@ class DraftEngine:
             if captured is not None:
                 captured.append((q[:, :, 0].clone(), k[:, :, 0].clone(), v[:, :, 0].clone()))
             x = self._finish_layer(layer, x, o)
-        return self._logits_to_token(x[:, 0]), captured
+        logits = self._logits(x[:, 0])
+        return logits.argmax(dim=-1), captured, logits.log_softmax(-1) if logprobs else None
 
 
 def _accumulated_attention(q: Tensor, k: Tensor, stride: int, scale: float) -> Tensor:

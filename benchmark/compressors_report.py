@@ -36,9 +36,16 @@ def summarise(rows: dict, families: list[str], ratios: list[float], xs: list[int
                 "matched_before_divergence_mean": _mean(row["matched"]),
                 "matched_before_divergence_median": statistics.median(row["matched"]) if row["matched"] else None,
                 "matched_per_prompt": row["matched"],
+                # KL(full KV || compressed), nats per token, over each lossy run before divergence
+                "kl_nats_per_token_mean": _mean(row.get("kl", [])),
+                "kl_per_prompt": [round(k, 4) for k in row.get("kl", [])],
                 "accepted": acc,
             })
     return out
+
+
+def _fmt(v: float | None) -> str:
+    return "-" if v is None else f"{v:.3f}"
 
 
 def _acc(r: dict, x: int) -> float | None:
@@ -65,18 +72,19 @@ def verdict(results: list[dict], droppers: tuple, quantizers: tuple, at: float, 
 
 
 def markdown(results: list[dict], xs: list[int], meta: dict, check: dict) -> str:
-    head = ["family", "target", "measured ratio", "bytes/token", "matched before divergence (mean / median)"]
+    head = ["family", "target", "measured ratio", "bytes/token", "matched before divergence (mean / median)",
+            "KL from full KV (nats/token)"]
     head += [f"accepted/verify x={x}" for x in xs]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     full_bpt = 2 * meta["geometry"]["layers"] * meta["geometry"]["kv_heads"] * meta["geometry"]["head_dim"] * (
         4 if "32" in meta["geometry"]["dtype"] else 2)
-    lines.append(f"| full KV | 1x | 1.00 | {full_bpt} | all | " + " | ".join(f"{x + 1}" for x in xs) + " |")
+    lines.append(f"| full KV | 1x | 1.00 | {full_bpt} | all | 0 | " + " | ".join(f"{x + 1}" for x in xs) + " |")
     for r in results:
         accs = [f"{_acc(r, x):.2f}" if _acc(r, x) is not None else "-" for x in xs]
         lines.append(
             f"| {r['family']} | {r['target_ratio']:g}x | {r['measured_ratio']:.2f} | {r['bytes_per_token']:.0f} | "
             f"{r['matched_before_divergence_mean']:.1f} / {r['matched_before_divergence_median']:g} | "
-            + " | ".join(accs) + " |")
+            f"{_fmt(r.get('kl_nats_per_token_mean'))} | " + " | ".join(accs) + " |")
     ps = meta["prompt_set"]
     s = meta["settings"]
     lines += ["", f"Model {meta['model']}; {ps['n']} prompts ({min(ps['tokens'])}-{max(ps['tokens'])} tokens, "

@@ -44,3 +44,22 @@ def test_full_kv_draft_is_exact(bench, tmp_path: Path) -> None:
     assert full["matched_per_prompt"] == [horizon]
     assert full["accepted"]["4"]["mean_accepted_per_verify"] == 5.0
     assert full["measured_ratio"] == 1.0
+    assert full["kl_nats_per_token_mean"] == pytest.approx(0.0, abs=1e-5)  # same distributions
+    for r in doc["results"]:
+        assert len(r["kl_per_prompt"]) == 1 and r["kl_nats_per_token_mean"] >= -1e-6
+
+
+def test_kl_divergence_ignores_tokens_the_reference_never_emits() -> None:
+    import torch
+
+    sys.path.insert(0, str(ROOT))
+    try:
+        from benchmark.compressors_chains import kl_divergence
+    finally:
+        sys.path.remove(str(ROOT))
+    banned = torch.tensor([0.0, 1.0, float("-inf")])  # the benchmark bans EOS with -inf
+    p = banned.log_softmax(-1)
+    q = torch.tensor([1.0, 0.0, float("-inf")]).log_softmax(-1)
+    expected = float((p.exp()[:2] * (p[:2] - q[:2])).sum())
+    assert kl_divergence(p, p) == 0.0
+    assert kl_divergence(p, q) == pytest.approx(expected) and expected > 0
