@@ -27,13 +27,13 @@ from typing import Any
 
 import torch
 from sglang.srt.managers.utils import GenerationBatchResult
-from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
 from sglang.srt.speculative.ngram_info import NgramVerifyInput
 
 from sglang_vericache.compress import Full, build_compressor
 from sglang_vericache.config import TierKind
 from sglang_vericache.srt.attention import DraftViews, QueryCapture, VeriCacheAttnBackend
+from sglang_vericache.srt.batch_inputs import last_tokens, set_decode_inputs, set_verify_inputs
 from sglang_vericache.srt.draft_ahead import DraftAhead, draft_ahead_for
 from sglang_vericache.srt.draft_length import DraftLengthController
 from sglang_vericache.srt.draft_state import RequestDraftState
@@ -127,10 +127,14 @@ class VeriCacheWorker(BaseSpecWorker):
     def _read_pool(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return read_pool_kv(self.model_runner.token_to_kv_pool, layer, slots)
 
+    @property
+    def _table(self) -> torch.Tensor:
+        """SGLang's req_to_token: [pool rows, max context] int32 pool slots."""
+        return self.model_runner.req_to_token_pool.req_to_token
+
     def _row_slots(self, row: int, start: int, end: int) -> torch.Tensor:
         """Pool slots of positions [start, end) of req_to_token row ``row``: [n] int64."""
-        table = self.model_runner.req_to_token_pool.req_to_token
-        return table[row, start:end].to(torch.int64)
+        return self._table[row, start:end].to(torch.int64)
 
     # -- the scheduler's entry point -----------------------------------------------------------
 
@@ -259,24 +263,6 @@ class VeriCacheWorker(BaseSpecWorker):
 
     # -- decode steps ------------------------------------------------------------------------
 
-    def _set_decode_inputs(self, batch, input_ids, base: torch.Tensor, offset: int) -> None:
-        """One token per row at position base+offset; reads KV [0, base+offset]."""
-        table = self.model_runner.req_to_token_pool.req_to_token
-        seq = base + offset + 1
-        batch.forward_mode = ForwardMode.DECODE
-        batch.spec_info = None
-        batch.input_ids = input_ids
-        batch.out_cache_loc = table[batch.req_pool_indices, (base + offset).to(self.device)].to(
-            torch.int64
-        )
-        batch.seq_lens = seq.to(self.device)
-        batch.seq_lens_cpu = seq
-        batch.seq_lens_sum = int(seq.sum())
-
-    def _last_tokens(self, batch) -> torch.Tensor:
-        last = [r.output_ids[-1] if r.output_ids else r.origin_input_ids[-1] for r in batch.reqs]
-        return torch.tensor(last, dtype=torch.int64, device=self.device)
-
     def _plain_step(self, batch):
         """One token per request with SGLang's sampler, exactly as without --vericache."""
         for req in batch.reqs:
@@ -284,7 +270,7 @@ class VeriCacheWorker(BaseSpecWorker):
             if reason is not None and req.rid not in self.plain:
                 self.plain[req.rid] = VeriCacheStats.plain(reason)
         base = batch.seq_lens_cpu.clone()
-        self._set_decode_inputs(batch, self._last_tokens(batch), base, 0)
+        set_decode_inputs(batch, self._table, last_tokens(batch, self.device), base, 0)
         rows = batch.req_pool_indices.tolist()
         out = self.target_worker.forward_batch_generation(batch)
         for i, req in enumerate(batch.reqs):
@@ -308,7 +294,7 @@ class VeriCacheWorker(BaseSpecWorker):
         self.attn.draft = DraftViews(base.tolist(), [s.views() for s in states])
         try:
             for j in range(rows.shape[1] - 1):
-                self._set_decode_inputs(batch, rows[:, j], base, j)
+                set_decode_inputs(batch, self._table, rows[:, j], base, j)
                 out = self.target_worker.forward_batch_generation(batch, is_verify=True)
                 rows[:, j + 1] = out.logits_output.next_token_logits.argmax(-1)
         finally:
@@ -336,24 +322,13 @@ class VeriCacheWorker(BaseSpecWorker):
             width = 1 + ahead.shape[1]
             rows = torch.empty(bs, width, dtype=torch.int64, device=self.device)
             rows[:, 1:] = ahead
-        rows[:, 0] = self._last_tokens(batch)
+        rows[:, 0] = last_tokens(batch, self.device)
         if ahead is None:
             started = time.perf_counter()
             self._draft(batch, base, rows)
             self.draft_length.time_draft_step((time.perf_counter() - started) / max(1, width - 1))
 
-        table = self.model_runner.req_to_token_pool.req_to_token
-        offsets = torch.arange(width, device=self.device)
-        positions = base.to(self.device)[:, None] + offsets[None, :]
-        batch.forward_mode = ForwardMode.TARGET_VERIFY
-        batch.input_ids = rows.flatten()
-        batch.out_cache_loc = table[batch.req_pool_indices[:, None], positions].flatten().long()
-        batch.seq_lens, batch.seq_lens_cpu = base.to(self.device), base
-        batch.seq_lens_sum = int(base.sum())
-        batch.spec_info = NgramVerifyInput(
-            draft_token=rows.flatten(), positions=positions.flatten(), draft_token_num=width,
-            new_seq_lens=batch.seq_lens,
-        )  # fmt: skip
+        set_verify_inputs(batch, self._table, rows, base)
         self.attn.capture = QueryCapture(width)
         started = time.perf_counter()
         try:

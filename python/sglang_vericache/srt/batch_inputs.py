@@ -1,0 +1,57 @@
+"""The worker's own forwards over one SGLang batch: rewriting its inputs in place.
+
+Per scheduler step the worker runs several forwards over the same ``ModelWorkerBatch``: x
+single-token DECODE forwards that draft, then one TARGET_VERIFY forward of width x+1. Each
+sets the batch's input ids, positions (through ``seq_lens`` or the verify input) and output
+slots; SGLang's model runner reads nothing else of the batch for these modes::
+
+    row r: committed KV at positions 0 .. base[r]-1, last committed token t0 (no KV yet)
+    draft j  (j = 0 .. x-1): input rows[r, j] at position base+j, attends to [0, base+j],
+                             writes slot table[r, base+j]
+    verify:  inputs rows[r, 0..x] at positions base .. base+x, writes slots table[r, base..base+x]
+
+``table`` is SGLang's req_to_token [pool rows, max context] int32; ``base`` is [bs] int64 on
+the host.
+"""
+
+from __future__ import annotations
+
+import torch
+from sglang.srt.model_executor.forward_batch_info import ForwardMode
+from sglang.srt.speculative.ngram_info import NgramVerifyInput
+
+
+def set_decode_inputs(batch, table: torch.Tensor, input_ids: torch.Tensor, base: torch.Tensor,
+                      offset: int) -> None:  # fmt: skip
+    """One token per row (input_ids [bs] int64) at position base+offset."""
+    device = table.device
+    seq = base + offset + 1
+    batch.forward_mode = ForwardMode.DECODE
+    batch.spec_info = None
+    batch.input_ids = input_ids
+    batch.out_cache_loc = table[batch.req_pool_indices, (base + offset).to(device)].to(torch.int64)
+    batch.seq_lens = seq.to(device)
+    batch.seq_lens_cpu = seq
+    batch.seq_lens_sum = int(seq.sum())
+
+
+def set_verify_inputs(batch, table: torch.Tensor, rows: torch.Tensor, base: torch.Tensor) -> None:
+    """rows [bs, width] int64 (last committed token, then the drafts) at positions base.."""
+    device = table.device
+    width = rows.shape[1]
+    positions = base.to(device)[:, None] + torch.arange(width, device=device)[None, :]
+    batch.forward_mode = ForwardMode.TARGET_VERIFY
+    batch.input_ids = rows.flatten()
+    batch.out_cache_loc = table[batch.req_pool_indices[:, None], positions].flatten().long()
+    batch.seq_lens, batch.seq_lens_cpu = base.to(device), base
+    batch.seq_lens_sum = int(base.sum())
+    batch.spec_info = NgramVerifyInput(
+        draft_token=rows.flatten(), positions=positions.flatten(), draft_token_num=width,
+        new_seq_lens=batch.seq_lens,
+    )  # fmt: skip
+
+
+def last_tokens(batch, device: torch.device) -> torch.Tensor:
+    """Each request's last committed token (its prompt's last before any output): [bs] int64."""
+    last = [r.output_ids[-1] if r.output_ids else r.origin_input_ids[-1] for r in batch.reqs]
+    return torch.tensor(last, dtype=torch.int64, device=device)
