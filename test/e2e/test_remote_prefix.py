@@ -146,6 +146,12 @@ def test_kv_server_killed_mid_fetch_is_recomputed_identically(
     kv_server.kill()
     thread.join(timeout=600)
     assert out["output_ids"] == _generate(plain_server, turn2)["output_ids"]
-    # B keeps serving after losing its tier
-    again = _generate(b, _prompt(tokenizer, "garden"))
+    # B keeps serving after losing its tier, and keeps finished requests' full KV on the
+    # device (the tier would lose it): the next turn is a device hit, still identical
+    garden = _prompt(tokenizer, "garden")
+    again = _generate(b, garden)
     assert len(again["output_ids"]) == NEW_TOKENS
+    turn2 = garden + again["output_ids"] + tokenizer.encode(" Which rule matters most?")
+    got = _generate(b, turn2)
+    assert got["meta_info"]["cached_tokens"] >= len(garden), got["meta_info"]
+    assert got["output_ids"] == _generate(plain_server, turn2)["output_ids"]

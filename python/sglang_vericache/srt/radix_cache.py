@@ -82,8 +82,9 @@ class VeriCacheRadixCache(RadixCache):
             self.remote.write_through(tokens, self._sequence_reader(row))
             if self.ahead is not None:
                 self.ahead.remember(req.rid, tokens)
-            if self.offloader.ledger.span(row) is not None:
+            if self.offloader.ledger.span(row) is not None and self.remote.tier_up:
                 return  # full KV in the tier, compressed KV local: nothing more on the device
+            # a tier that is failing would lose it: keep it on the device as without a tier
         if self.disable:
             return  # nothing is cached; the row's placeholders are skipped when it is freed
         restored = self.offloader.restore(

@@ -14,7 +14,9 @@ background, then ``take`` hands over the verified KV to load into the pool::
 
 Every failure (dead server, timeout, corrupt chunk, geometry mismatch, full tier) ends as
 "report 0 / fewer chunks": SGLang recomputes the rest, output is unchanged. Nothing here
-blocks on the network: the tier client runs its own I/O thread (submit/poll).
+blocks on the network: the tier client runs its own I/O thread (submit/poll). ``tier_up`` says
+whether the tier's latest finished task got through (the prefix cache then keeps a finished
+request's full KV on the device instead of relying on the tier for it).
 """
 
 from __future__ import annotations
@@ -81,6 +83,7 @@ class RemotePrefixLink:
         self._stored: OrderedDict[bytes, None] = OrderedDict()
         self.counters = RemoteCounters()
         self.fetch_bytes_per_s = 0.0  # moving average over completed fetches (0: none yet)
+        self.tier_up = True  # the latest finished tier task did not fail (a miss is not a fail)
 
     @classmethod
     def open(cls, spec: str, geometry: KVGeometry, **options) -> "RemotePrefixLink":
@@ -171,6 +174,8 @@ class RemotePrefixLink:
             self.forget(rid)
         by_task = {s.task: (rid, s) for rid, s in self.pending.items() if s.task is not None}
         for task_id, result in self.tier.poll().items():
+            if result.status is not TaskStatus.CANCELLED:
+                self.tier_up = result.status is TaskStatus.DONE
             put = self._puts.pop(task_id, None)
             if put is not None:
                 self._finish_put(put[0], result)

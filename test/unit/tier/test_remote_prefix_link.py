@@ -65,9 +65,11 @@ def test_dead_server_fails_over_to_recompute() -> None:
     link.write_through(tokens, lambda s, e: _sequence_kv(e)[..., s:e, :])
     assert _settle(link, "warm", tokens, 0) == 3 * C  # stored and found
     link.take("warm", 0)
+    assert link.tier_up
     server.kill()
     assert _settle(link, "after", tokens, 0, timeout=15) == 0  # lookup failed: recompute
     assert link.counters.fetch_failures >= 1
+    assert not link.tier_up  # the prefix cache now keeps finished requests' full KV itself
     link.close()
     server.stop()
 
