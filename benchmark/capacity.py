@@ -13,6 +13,7 @@ for every token, no compressed KV, no drafting): what VeriCache would cost witho
     python benchmark/capacity.py --max-new-tokens 256          # N=3: snapkv 4x and kivi-4
     python benchmark/capacity.py --max-new-tokens 128 --n-full 2 3 6 12 --requests 12 \
         --compressors snapkv:ratio=0.25 --out benchmark/results/budget_sweep
+    python benchmark/capacity.py ... --n-full 24 --append    # one more budget, same settings
 
 Writes OUT.{json,md} (and OUT.png for a sweep); default OUT benchmark/results/capacity.
 """
@@ -75,6 +76,8 @@ def main() -> None:
     ap.add_argument("--no-offload-baseline", action="store_true",
                     help="skip the offload-only baseline (--vericache-draft-len 0)")
     ap.add_argument("--out", type=Path, default=REPO / "benchmark/results/capacity")
+    ap.add_argument("--append", action="store_true",
+                    help="keep OUT.json's budgets that this run does not measure (same settings)")
     args = ap.parse_args()
 
     from transformers import AutoTokenizer
@@ -84,6 +87,7 @@ def main() -> None:
     n_req = args.requests or 4 * max(args.n_full)
     lo = args.prompt_tokens * 3 // 4  # the builder cannot hit an exact length for every kind
     prompts = build_prompt_set(tok, n=n_req, min_tokens=lo, max_tokens=args.prompt_tokens, seed=11)
+    kept = kept_reports(args.out.with_suffix(".json"), args, n_req) if args.append else []
     reports = []
     for n_full in args.n_full:
         budget = n_full * (args.prompt_tokens + args.max_new_tokens) + SLOT_SLACK
@@ -101,6 +105,8 @@ def main() -> None:
                 logs / ("vericache-" + spec.replace(":", "_") + ".log"),
             )  # fmt: skip
         reports.append(summarize(args, n_full, budget, n_req, runs))
+    if args.append:
+        reports = sorted(reports + kept, key=lambda r: r["n_full"])
     args.out.parent.mkdir(parents=True, exist_ok=True)
     report = reports[0] if len(reports) == 1 else {"sweep": reports}
     args.out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
@@ -109,6 +115,29 @@ def main() -> None:
     if len(reports) > 1:
         plot_sweep(reports, args.out.with_suffix(".png"))
     print(text)
+
+
+def kept_reports(path: Path, args: argparse.Namespace, n_req: int) -> list[dict]:
+    """Budgets of an earlier run at ``path`` that this run does not measure again.
+
+    Raises ValueError before anything runs if that run used other settings (its rows would
+    not be comparable with this run's).
+    """
+    if not path.exists():
+        return []
+    old = json.loads(path.read_text())
+    old = old.get("sweep", [old])
+    servers = ["plain"] + [OFFLOAD_ONLY] * (not args.no_offload_baseline) + [
+        "vericache " + spec for spec in args.compressors]  # fmt: skip
+    mine = {"prompt_tokens": args.prompt_tokens, "max_new_tokens": args.max_new_tokens,
+            "draft_len": args.draft_len, "requests": n_req, "servers": servers}  # fmt: skip
+    for r in old:
+        theirs = {k: r[k] for k in ("prompt_tokens", "max_new_tokens", "draft_len")} | {
+            "requests": r["rows"][0]["requests"], "servers": [x["server"] for x in r["rows"]]}
+        if theirs != mine:
+            raise ValueError(f"--append: {path} was measured with {theirs}, this run with {mine}; "
+                             "use the same settings or another --out")  # fmt: skip
+    return [r for r in old if r["n_full"] not in args.n_full]
 
 
 def plot_sweep(reports: list[dict], path: Path) -> None:
