@@ -18,7 +18,7 @@ step benchmark/compressors.py --prompts 8 --ratios 4 --draft-lengths 8 --main-x 
 step benchmark/capacity.py --max-new-tokens 256                  # requests per KV budget, speed
 step benchmark/capacity.py --max-new-tokens 128 --n-full 2 3 6 12 --requests 12 \
     --compressors snapkv:ratio=0.25 --out benchmark/results/budget_sweep   # Fig. 13 analogue
-step benchmark/rate_sweep.py                                     # latency vs request rate
+step benchmark/rate_sweep.py                                     # latency vs request rate (~13 min)
 step benchmark/exactness_sweep.py                                # 6 compressors x conc 1 and 8
 step benchmark/remote_prefix.py                                  # prefixes across replicas
 step benchmark/fetch_drafting.py                                 # draft while fetching vs not
