@@ -11,7 +11,7 @@ the offload-only baseline (``--vericache-draft-len 0``: the full KV off the devi
 for every token, no compressed KV, no drafting): what VeriCache would cost without drafting.
 
     python benchmark/capacity.py --max-new-tokens 256          # N=3: snapkv 4x and kivi-4
-    python benchmark/capacity.py --max-new-tokens 128 --n-full 2 3 6 12 --requests 12 \
+    python benchmark/capacity.py --max-new-tokens 64 --n-full 2 3 6 12 --requests 8 \
         --compressors snapkv:ratio=0.25 --out benchmark/results/budget_sweep
     python benchmark/capacity.py ... --n-full 24 --append    # one more budget, same settings
 

@@ -16,7 +16,7 @@ step benchmark/compressors.py                                    # drafts from e
 step benchmark/compressors.py --prompts 8 --ratios 4 --draft-lengths 8 --main-x 8 \
     --families streaming,snapkv,h2o,kivi --out-dir benchmark/results/lossy_kl  # lossy KL
 step benchmark/capacity.py --max-new-tokens 256                  # requests per KV budget, speed
-step benchmark/capacity.py --max-new-tokens 128 --n-full 2 3 6 12 --requests 12 \
+step benchmark/capacity.py --max-new-tokens 64 --n-full 2 3 6 12 --requests 8 \
     --compressors snapkv:ratio=0.25 --out benchmark/results/budget_sweep   # Fig. 13 analogue
 step benchmark/rate_sweep.py                                     # latency vs request rate (~13 min)
 step benchmark/exactness_sweep.py                                # 6 compressors x conc 1 and 8
