@@ -71,17 +71,28 @@ def one_request(url: str, text: str, max_new: int, t0: float, row: dict) -> None
 def run_rate(url: str, prompts: list[dict], offsets: list[float], max_new: int, desc: str) -> dict:
     """Send ``prompts`` at ``offsets`` (seconds from now), wait for every answer."""
     rows: list[dict] = [{} for _ in prompts]
+    errors: list[str] = []
     threads = []
     t0 = time.perf_counter()
+
+    def send(i: int, text: str, bar: tqdm) -> None:
+        try:
+            one_request(url, text, max_new, t0, rows[i])
+        except Exception as exc:  # noqa: BLE001 -- reported below, after every thread joined
+            errors.append(f"request {i}: {exc}")
+        bar.update()
+
     with tqdm(total=len(prompts), desc=desc, leave=False) as bar:
         for i, (p, off) in enumerate(zip(prompts, offsets)):
             time.sleep(max(0.0, t0 + off - time.perf_counter()))
-            th = threading.Thread(target=lambda i=i, p=p: (one_request(url, p["text"], max_new, t0, rows[i]),
-                                                           bar.update()))  # fmt: skip
+            th = threading.Thread(target=send, args=(i, p["text"], bar))
             th.start()
             threads.append(th)
         for th in threads:
             th.join()
+    if errors:
+        raise RuntimeError(f"{desc}: {len(errors)} request(s) failed; the server log says why: "
+                           + "; ".join(errors))  # fmt: skip
     return {"requests": rows}
 
 

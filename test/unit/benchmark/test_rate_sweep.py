@@ -47,3 +47,10 @@ def test_summary_counts_identical_outputs_and_uses_the_whole_span() -> None:
 def test_percentile_picks_an_observed_value() -> None:
     assert pct([3.0, 1.0, 2.0, 10.0], 0.9) == 10.0
     assert pct([1.0], 0.9) == 1.0
+
+
+def test_a_failed_request_fails_the_run_with_its_reason() -> None:
+    from benchmark.rate_sweep import run_rate
+
+    with pytest.raises(RuntimeError, match=r"2 request\(s\) failed.*request 0"):
+        run_rate("http://127.0.0.1:9", [{"text": "a"}, {"text": "b"}], [0.0, 0.0], 4, "dead")
