@@ -13,8 +13,6 @@ PY=${PY:-.venv/bin/python}
 step() { echo; echo "=== $* ==="; "$PY" "$@"; }
 
 step benchmark/compressors.py                                    # drafts from each compressor
-step benchmark/compressors.py --prompts 8 --ratios 4 --draft-lengths 8 --main-x 8 \
-    --families streaming,snapkv,h2o,kivi --out-dir benchmark/results/lossy_kl  # lossy KL
 step benchmark/capacity.py --max-new-tokens 256                  # requests per KV budget, speed
 step benchmark/capacity.py --max-new-tokens 64 --n-full 2 3 6 12 --requests 8 \
     --compressors snapkv:ratio=0.25 --out benchmark/results/budget_sweep   # Fig. 13 analogue
