@@ -262,15 +262,24 @@ def _resume_shard(args, rows: dict, xs: list[int]) -> tuple[int, float, float]:
     if not path.exists():
         return 0, 0.0, 0.0
     shard = json.loads(path.read_text())
-    if shard.get("settings") != _shard_settings(args):
-        return 0, 0.0, 0.0
+    if shard.get("settings") != _shard_settings(args) or not _has_kl(shard):
+        return 0, 0.0, 0.0  # another run's shard, or one from before KL was measured: redo
+    _add_shard_rows(rows, shard, xs)
+    return shard["done"], shard["seconds"], shard["cpu_seconds"]
+
+
+def _has_kl(shard: dict) -> bool:
+    return all("kl" in row for row in shard["rows"].values())
+
+
+def _add_shard_rows(rows: dict, shard: dict, xs: list[int]) -> None:
+    """Appends a saved shard's per-prompt values to ``rows``."""
     for (f, r), row in rows.items():
         got = shard["rows"][f"{f}|{r}"]
         for key in ("specs", "ratio", "bytes_per_token", "matched", "kl"):
-            row[key].extend(got.get(key, []))
+            row[key].extend(got[key])
         for x in xs:
             row["accepted"][x].extend(got["accepted"][str(x)])
-    return shard["done"], shard["seconds"], shard["cpu_seconds"]
 
 
 def _shard_settings(args) -> dict:
@@ -284,13 +293,10 @@ def _merge(args, model_name, geo, prompts, tok, rows, families, ratios, xs) -> d
     for name in names:
         k, n = name.split("/")
         shard = json.loads((SHARD_DIR / f"shard-{k}-of-{n}.json").read_text())
+        if not _has_kl(shard):
+            raise SystemExit(f"shard {name} predates the KL measurement: run it again")
         done, seconds, cpu = done + shard["done"], max(seconds, shard["seconds"]), cpu + shard["cpu_seconds"]
-        for (f, r), row in rows.items():
-            got = shard["rows"][f"{f}|{r}"]
-            for key in ("specs", "ratio", "bytes_per_token", "matched", "kl"):
-                row[key].extend(got.get(key, []))
-            for x in xs:
-                row["accepted"][x].extend(got["accepted"][str(x)])
+        _add_shard_rows(rows, shard, xs)
     meta = _meta(args, model_name, geo, prompts, tok, done, time.time(), time.process_time())
     meta.update(seconds=round(seconds, 1), cpu_seconds=round(cpu, 1), shards=names)
     return write_outputs(Path(args.out_dir), meta, rows, families, ratios, xs, DROPPERS, QUANTIZERS, args)
