@@ -11,21 +11,46 @@ CPU defaults (applied only where the user left the flag unset):
   CPU is 3-4x slower and not batch-invariant (so greedy outputs would depend on batching).
 - ``--mem-fraction-static`` 0.2: on CPU the fraction is of host RAM, and the GPU default would
   pin most of the machine's memory for the KV pool.
+- KV pool size (see ``cpu_kv_budget``): SGLang sizes the pool as the memory *available* after
+  the weights loaded minus ``(1 - fraction)`` of what was available before. On a GPU the card
+  is the server's own; on a host shared by several servers, a second server that starts while
+  the first allocates its pool (torch zero-fills, so the pages are committed) sees the first
+  pool as its own weights and refuses to start ("Loaded weights leave no GPU memory ...").
+  Here the pool is a fixed share of *total* host RAM instead (``fraction x RAM - weights``),
+  capped at ``CPU_KV_POOL_CAP_BYTES`` while the fraction is our default, and never more than
+  half the memory available at that moment (so a crowded host gets smaller pools rather than
+  an out-of-memory kill). ``--max-total-tokens`` sizes the pool exactly. The choice is logged.
 - ``--sleep-on-idle``: an idle scheduler otherwise spins on its sockets at 100% of a core, which
   on a CPU machine is a core taken from every other server's forward passes.
 """
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
 from functools import cache
+from typing import Any
 
 import torch
 from sglang.srt.platforms.cpu import CpuSRTPlatform
 from sglang.srt.platforms.device_mixin import PlatformEnum
 from sglang.srt.platforms.interface import KVPoolKind, PlatformCapabilities
 
+logger = logging.getLogger(__name__)
+
 CPU_MEM_FRACTION_STATIC = 0.2
 PLATFORM_QUALNAME = "sglang_vericache.srt.platform.TorchCpuPlatform"
+GIB = 1 << 30
+# The default pool's ceiling: about 46k tokens of the embedded model (5 full 8k contexts). A CPU
+# forward pass is slow enough that a bigger pool is rarely filled, while every server on the
+# host pins its whole pool (torch zero-fills it). An explicit --mem-fraction-static lifts it.
+CPU_KV_POOL_CAP_BYTES = 2 * GIB
+# The pool never takes more than this share of the memory available when it is sized.
+AVAILABLE_SHARE = 0.5
+POOL_TARGET = (
+    "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._profile_available_bytes"
+)
 
 
 @cache
@@ -76,3 +101,118 @@ def activate() -> str | None:
     if torch.cuda.is_available():
         return None
     return PLATFORM_QUALNAME
+
+
+@dataclass(frozen=True)
+class CpuKvBudget:
+    """Bytes for the KV pool and the term of the ``min`` that chose them (for the log)."""
+
+    nbytes: int
+    reason: str
+
+
+def cpu_kv_budget(*, total: int, available: int, weights: int, fraction: float,
+                  capped: bool, needed: int | None = None) -> CpuKvBudget:  # fmt: skip
+    """The KV pool budget on a CPU host (bytes; see the module doc).
+
+    total/available: host RAM (cgroup-aware) in bytes; weights: the loaded model's bytes;
+    fraction: --mem-fraction-static; capped: the fraction is our default (apply the cap);
+    needed: bytes of the pool --max-total-tokens asks for, if given.
+    """
+    if needed is not None:
+        if needed > available:
+            raise ValueError(
+                f"--max-total-tokens asks for a KV pool of {needed / GIB:.2f} GiB, but only "
+                f"{available / GIB:.2f} GiB of host memory is available; lower "
+                "--max-total-tokens (or free memory)"
+            )
+        return CpuKvBudget(needed, "--max-total-tokens")
+    share = fraction * total - weights
+    if share <= 0:
+        lowest = weights / total
+        raise ValueError(
+            f"--mem-fraction-static={fraction:g} of {total / GIB:.1f} GiB host RAM leaves no room "
+            f"for the KV pool after {weights / GIB:.2f} GiB of weights; raise "
+            f"--mem-fraction-static above {lowest:.3f} or set --max-total-tokens"
+        )
+    ram = f"{fraction:g} x {total / GIB:.1f} GiB host RAM - {weights / GIB:.2f} GiB weights"
+    terms = [(share, ram)]
+    if capped:
+        terms.append(
+            (CPU_KV_POOL_CAP_BYTES, f"the default cap {CPU_KV_POOL_CAP_BYTES / GIB:g} GiB")
+        )
+    now = f"{AVAILABLE_SHARE:g} x the {available / GIB:.1f} GiB available now"
+    terms.append((AVAILABLE_SHARE * available, now))
+    nbytes, reason = min(terms, key=lambda t: t[0])
+    return CpuKvBudget(int(nbytes), reason)
+
+
+def _host_memory() -> tuple[int, int]:
+    """(total, available) host memory in bytes, within the cgroup's limit if there is one."""
+    import psutil
+    from sglang.srt.utils.common import get_free_cpu_memory, get_instance_memory_status
+
+    total = psutil.virtual_memory().total
+    limit = get_instance_memory_status("/sys/fs/cgroup/memory.max")
+    return (total if limit is None else min(total, limit)), get_free_cpu_memory()
+
+
+def _fraction_is_default(server_args: Any, fraction: float) -> bool:
+    """Whether --mem-fraction-static is the default this platform declared (not the user's)."""
+    for source, declared in getattr(server_args, "_resolved_overrides", None) or ():
+        if "mem_fraction_static" in declared and str(source).startswith("platform:"):
+            return True
+    return fraction == CPU_MEM_FRACTION_STATIC
+
+
+def _model_bytes(model: Any) -> int:
+    if model is None:
+        return 0
+    tensors = [*model.parameters(), *model.buffers()]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _profile_around(original: Callable[..., Any], configurator: Any, *args: Any,
+                    **kw: Any) -> int:  # fmt: skip
+    from sglang.srt.model_executor.pool_configurator import create_memory_pool_configurator
+    from sglang.srt.platforms import current_platform
+    from sglang.srt.runtime_context import get_schedule
+
+    if configurator.device != "cpu" or not isinstance(current_platform, TorchCpuPlatform):
+        return original(configurator, *args, **kw)
+    schedule = get_schedule()
+    sizer = create_memory_pool_configurator(configurator)
+
+    def tokens(nbytes: float) -> int:
+        return sizer.calculate_pool_sizes(int(nbytes), schedule.page_size).max_total_num_tokens
+
+    per_token = GIB / max(tokens(2 * GIB) - tokens(GIB), 1)
+    fixed = max(GIB - tokens(GIB) * per_token, 0)  # bytes the pool takes besides its tokens
+    needed = None
+    if schedule.max_total_tokens is not None:  # one page over: the pool rounds down to pages
+        needed = int(fixed + (schedule.max_total_tokens + schedule.page_size) * per_token)
+    total, available = _host_memory()
+    fraction = schedule.mem_fraction_static
+    budget = cpu_kv_budget(
+        total=total,
+        available=available,
+        weights=_model_bytes(configurator.model),
+        fraction=fraction,
+        capped=_fraction_is_default(configurator.server_args, fraction),
+        needed=needed,
+    )
+    n = tokens(budget.nbytes)
+    if schedule.max_total_tokens is not None:
+        n = min(n, schedule.max_total_tokens)
+    logger.info(
+        "KV pool: %d tokens (%.2f GiB) from %s; set --max-total-tokens or "
+        "--mem-fraction-static to change", n, n * per_token / GIB, budget.reason,
+    )  # fmt: skip
+    return budget.nbytes
+
+
+def register_pool_sizing_hook() -> None:
+    """Size the KV pool from total host RAM on this platform (see the module doc)."""
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    HookRegistry.register(POOL_TARGET, _profile_around, HookType.AROUND)

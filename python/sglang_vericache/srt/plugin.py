@@ -12,6 +12,10 @@ SGLang calls ``register()`` in every one of its processes (launcher, scheduler, 
   model (fetched and converted once; see ``sglang_vericache.models``).
 - resolution step ``handle_missing_default_values``: on our CPU platform, default ``--device``
   to ``cpu`` (SGLang would otherwise ask the platform for a ``torch.device`` and choke on it).
+- KV pool sizing on the CPU platform (``platform.register_pool_sizing_hook``): from total host
+  RAM, so several servers can start on one host at once.
+- request validation (``sglang_vericache.srt.validation``): requests that would crash the
+  scheduler get HTTP 400 in the tokenizer process instead, with or without ``--vericache``.
 """
 
 from __future__ import annotations
@@ -147,11 +151,13 @@ def register() -> None:
 
     from sglang_vericache.srt.admission import register_admission_hook
     from sglang_vericache.srt.patches import register_patches
+    from sglang_vericache.srt.platform import register_pool_sizing_hook
     from sglang_vericache.srt.registration import (
         register_algorithm,
         register_backend,
         register_radix_cache,
     )
+    from sglang_vericache.srt.validation import register_validation_hooks
 
     HookRegistry.register(
         "sglang.srt.server_args.ServerArgs.add_cli_args", _add_cli_args, HookType.AFTER
@@ -165,4 +171,6 @@ def register() -> None:
     register_radix_cache()
     register_patches()
     register_admission_hook()
+    register_validation_hooks()
+    register_pool_sizing_hook()
     _registered = True

@@ -1,0 +1,143 @@
+"""Request checks SGLang 0.5.23 lacks, where a bad request takes the whole server down.
+
+SGLang's tokenizer manager answers many bad requests with HTTP 400 (an over-long prompt,
+``max_new_tokens: -5``, ``top_k: 0``, an out-of-vocabulary ``token_ids_logprob`` or
+``logit_bias`` key, an invalid regex or JSON schema ...), but forwards others to the scheduler,
+where the first forward pass that touches them raises and the scheduler process exits, taking
+every other request with it:
+
+- an empty prompt (``"text": ""``, ``"input_ids": []``, an empty item in a batch): the rotary
+  embedding cannot reshape a tensor of 0 elements;
+- a prompt token id outside ``[0, vocab_size)``: the embedding lookup raises IndexError;
+- ``top_logprobs_num`` above the vocabulary size (``/v1/*`` ``top_logprobs`` / ``logprobs``
+  map to it): ``topk`` raises "selected index k out of range";
+- ``top_k`` above 2**31 - 1: the sampler packs it into an int32 tensor, which overflows;
+- a parallel-sampling ``n`` so large that one request queues ``n`` copies and holds the
+  scheduler for hours (a hang for every other client).
+
+These functions decide, without SGLang, whether a request is one of those; each problem is a
+``RequestError`` (a ``ValueError``, which SGLang's HTTP layer turns into a 400 carrying the
+message) that names the field and what it accepts. ``sglang_vericache.srt.validation`` calls
+them from SGLang's own validation step in the tokenizer process, so the scheduler never sees
+such a request. They cost microseconds per request (``min``/``max`` over the prompt ids).
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+from numbers import Integral
+from typing import Any
+
+# Samples one request may ask for (``n``). OpenAI's API caps ``n`` at 128 as well; a larger
+# fan-out is better sent as separate requests, which the scheduler interleaves with others.
+MAX_PARALLEL_SAMPLES = 128
+INT32_MAX = 2**31 - 1
+
+
+class RequestError(ValueError):
+    """A request the server cannot serve; the message names ``field`` and its allowed values."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+def _is_int(value: Any) -> bool:
+    """An integer, including numpy integers and 0-d integer tensors (Engine callers); not a
+    bool, float or string."""
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, Integral):
+        return True
+    try:
+        operator.index(value)
+    except TypeError:
+        return False
+    return True
+
+
+def check_prompt_ids(ids: Sequence[Any] | None, vocab_size: int, *, field: str) -> None:
+    """Raise ``RequestError`` unless ``ids`` is a non-empty sequence of ints in
+    ``[0, vocab_size)``. ``field`` is what the client sent: ``"text"`` when the ids are its
+    tokenized text, ``"input_ids"`` (or ``"input_ids[3]"``) when it sent ids."""
+    if ids is None:
+        return
+    if len(ids) == 0:
+        if field.startswith("text"):
+            raise RequestError(field, "the prompt is empty (it tokenizes to 0 tokens); "
+                               "send a text of at least one token")  # fmt: skip
+        raise RequestError(field, f"the prompt is empty; send at least one token id in "
+                           f"[0, {vocab_size})")  # fmt: skip
+    # type() first: isinstance(t, Integral) costs ~3 us per token, too much for long prompts
+    if not all(type(t) is int for t in ids):
+        for pos, token in enumerate(ids):
+            if not _is_int(token):
+                got = f"{token!r} ({type(token).__name__}) at position {pos}"
+                raise RequestError(field, f"token ids must be integers in [0, {vocab_size}), "
+                                   f"got {got}")  # fmt: skip
+    if min(ids) >= 0 and max(ids) < vocab_size:
+        return
+    pos, token = next((p, t) for p, t in enumerate(ids) if not 0 <= t < vocab_size)
+    raise RequestError(field, f"token id {token} at position {pos} is outside the model's "
+                       f"vocabulary; valid range is [0, {vocab_size})")  # fmt: skip
+
+
+def check_top_logprobs_num(value: Any, vocab_size: int, *, field: str = "top_logprobs_num") -> None:
+    """``top_logprobs_num`` asks for the k most likely tokens; k cannot exceed the vocabulary.
+
+    Negative or missing values are left to SGLang (it treats them as "none")."""
+    if value is None:
+        return
+    values = value if isinstance(value, (list, tuple)) else [value]
+    for k in values:
+        if _is_int(k) and k > vocab_size:
+            raise RequestError(field, f"asks for the {k} most likely tokens, but the model's "
+                               f"vocabulary has {vocab_size}; use at most {vocab_size} "
+                               "(OpenAI top_logprobs / logprobs map to this field)")  # fmt: skip
+
+
+def check_sampling_params(params: Any) -> None:
+    """The sampling parameters SGLang's ``SamplingParams.verify`` lets through but the
+    scheduler cannot hold: ``top_k`` goes into an int32 tensor."""
+    if not isinstance(params, dict):
+        return
+    top_k = params.get("top_k")
+    if _is_int(top_k) and top_k > INT32_MAX:
+        raise RequestError("top_k", f"{top_k} is too large; use -1 for the whole vocabulary "
+                           f"or a value in [1, {INT32_MAX}]")  # fmt: skip
+
+
+def check_parallel_samples(n: Any, *, limit: int = MAX_PARALLEL_SAMPLES) -> None:
+    """``n`` (parallel samples of one prompt) must be at most ``limit``; SGLang queues ``n``
+    copies of the request, so an unbounded ``n`` holds the scheduler for everyone."""
+    if _is_int(n) and n > limit:
+        raise RequestError("n", f"asks for {n} samples of one prompt; at most {limit} are "
+                           "allowed per request (send more requests for more samples)")  # fmt: skip
+
+
+def batch_prompts(text: Any, input_ids: Any, empty_text_ids: Sequence[int] = ()
+                  ) -> list[tuple[str, Sequence[Any] | None]]:  # fmt: skip
+    """The prompts of a batched request as ``(field, ids)``. ``ids`` is None for a non-empty
+    text (only the tokenizer knows its ids) and ``empty_text_ids`` (what the tokenizer makes of
+    ``""``: nothing, or a BOS token) for an empty one."""
+    out: list[tuple[str, Sequence[Any] | None]] = []
+    empty = list(empty_text_ids)
+    if isinstance(input_ids, list) and input_ids and isinstance(input_ids[0], list):
+        out += [(f"input_ids[{i}]", ids) for i, ids in enumerate(input_ids)]
+    elif isinstance(input_ids, list):
+        out.append(("input_ids", input_ids))
+    if isinstance(text, list):
+        out += [(f"text[{i}]", empty if t == "" else None) for i, t in enumerate(text)]
+    elif text == "":
+        out.append(("text", empty))
+    return out
+
+
+def check_batch(text: Any, input_ids: Any, vocab_size: int,
+                empty_text_ids: Sequence[int] = ()) -> None:  # fmt: skip
+    """Check every prompt of a batch before any of them is sent to the scheduler (SGLang
+    tokenizes and dispatches batch items one by one, so a bad item found later would leave
+    the earlier ones started)."""
+    for field, ids in batch_prompts(text, input_ids, empty_text_ids):
+        check_prompt_ids(ids, vocab_size, field=field)

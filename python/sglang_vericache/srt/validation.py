@@ -1,0 +1,117 @@
+"""Reject, in the tokenizer process, the requests that would kill SGLang's scheduler.
+
+SGLang 0.5.23 validates a request in ``TokenizerManager._validate_one_request`` (prompt length,
+``token_ids_logprob``, ...) and ``SamplingParams.verify`` before it sends it to the scheduler;
+a ``ValueError`` raised there reaches the client as HTTP 400 with its message (``/generate``,
+``/v1/completions`` and ``/v1/chat/completions`` alike) and the scheduler never sees the
+request. Some requests pass those checks and then crash the scheduler's first forward pass,
+which ends the whole server: see ``sglang_vericache.requests_check`` for the list and the
+checks. The plugin registers these hooks in every SGLang process, with or without
+``--vericache``; they only do work in the process that owns the tokenizer manager.
+
+- ``GenerateReqInput._handle_parallel_sampling`` (AFTER): bound ``n`` as soon as SGLang has
+  read it, before it expands the batch ``n``-fold in memory.
+- ``TokenizerManager._handle_batch_request`` (AROUND): check every prompt of a batch before
+  SGLang tokenizes and sends the items one by one, so a bad item at index 3 is reported as
+  ``input_ids[3]`` and items 0-2 are never started.
+- ``TokenizerManager._validate_one_request`` (AROUND): after SGLang's own checks (their
+  messages keep precedence), check the tokenized prompt (empty, ids out of vocabulary),
+  ``top_logprobs_num`` and ``top_k``. This is the only check single requests get, and the one that sees
+  what a text actually tokenizes to.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from sglang_vericache.requests_check import (
+    check_batch,
+    check_parallel_samples,
+    check_prompt_ids,
+    check_sampling_params,
+    check_top_logprobs_num,
+)
+
+TOKENIZER_MANAGER = "sglang.srt.managers.tokenizer_manager.TokenizerManager"
+VALIDATE_TARGET = f"{TOKENIZER_MANAGER}._validate_one_request"
+BATCH_TARGET = f"{TOKENIZER_MANAGER}._handle_batch_request"
+PARALLEL_TARGET = "sglang.srt.managers.io_struct.GenerateReqInput._handle_parallel_sampling"
+
+_EMPTY_TEXT_IDS = "_vericache_empty_text_ids"
+
+
+def _vocab_size(manager: Any) -> int:
+    return int(manager.model_config.vocab_size)
+
+
+def _session_supplies_prompt(obj: Any) -> bool:
+    """SGLang sessions may send empty ``input_ids``: the session history is the prompt, and the
+    scheduler checks the reconstructed prompt itself."""
+    params = getattr(obj, "session_params", None)
+    return getattr(obj, "session_id", None) is not None or (
+        isinstance(params, dict) and bool(params.get("id"))
+    )
+
+
+def _prompt_is_checkable(obj: Any) -> bool:
+    """Prompts built from embeddings or multimodal inputs carry placeholder ids (image pad
+    hashes, ...) that are outside the vocabulary by design; those are left to SGLang."""
+    if getattr(obj, "input_embeds", None) is not None:
+        return False
+    contains_mm = getattr(obj, "contains_mm_input", None)
+    return not (callable(contains_mm) and contains_mm())
+
+
+def _empty_text_ids(manager: Any) -> list[int]:
+    """What the server's tokenizer makes of ``""`` (nothing, or a BOS token), once per process."""
+    ids = getattr(manager, _EMPTY_TEXT_IDS, None)
+    if ids is None:
+        tokenizer = getattr(manager, "tokenizer", None)
+        ids = [] if tokenizer is None else list(tokenizer.encode(""))
+        setattr(manager, _EMPTY_TEXT_IDS, ids)
+    return ids
+
+
+def _validate_one_around(original: Callable[..., Any], manager: Any, obj: Any,
+                         input_ids: Any, *args: Any, **kw: Any) -> Any:  # fmt: skip
+    result = original(manager, obj, input_ids, *args, **kw)
+    vocab_size = _vocab_size(manager)
+    if _prompt_is_checkable(obj) and not (not input_ids and _session_supplies_prompt(obj)):
+        field = "input_ids" if getattr(obj, "input_ids", None) is not None else "text"
+        check_prompt_ids(input_ids, vocab_size, field=field)
+    if getattr(obj, "return_logprob", False):
+        check_top_logprobs_num(getattr(obj, "top_logprobs_num", None), vocab_size)
+    check_sampling_params(getattr(obj, "sampling_params", None))
+    return result
+
+
+def _handle_batch_around(original: Callable[..., Any], manager: Any, obj: Any,
+                         *args: Any, **kw: Any) -> Any:  # fmt: skip
+    """An async generator like the original: the check runs on the first ``__anext__``, which
+    is where SGLang's HTTP layer catches ``ValueError`` for a 400."""
+
+    async def checked():
+        if _prompt_is_checkable(obj) and not _session_supplies_prompt(obj):
+            n = obj.batch_size  # before parallel-sampling expansion: the client's indices
+            text = obj.text[:n] if isinstance(obj.text, list) else obj.text
+            ids = obj.input_ids[:n] if isinstance(obj.input_ids, list) else obj.input_ids
+            empty = _empty_text_ids(manager) if text is not None else []
+            check_batch(text, ids, _vocab_size(manager), empty)
+        async for out in original(manager, obj, *args, **kw):
+            yield out
+
+    return checked()
+
+
+def _parallel_sampling_after(result: Any, obj: Any, *args: Any, **kw: Any) -> Any:
+    check_parallel_samples(getattr(obj, "parallel_sample_num", 1))
+    return result
+
+
+def register_validation_hooks() -> None:
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    HookRegistry.register(PARALLEL_TARGET, _parallel_sampling_after, HookType.AFTER)
+    HookRegistry.register(BATCH_TARGET, _handle_batch_around, HookType.AROUND)
+    HookRegistry.register(VALIDATE_TARGET, _validate_one_around, HookType.AROUND)
