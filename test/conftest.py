@@ -1,7 +1,10 @@
-"""Shared fixtures: the embedded model and one plain SGLang server per test session.
+"""Shared fixtures: the embedded model and one plain and one ``--vericache`` SGLang server per
+test session.
 
 A server start costs about 30 s on 2 cores, so tests share ``plain_server`` (the embedded default
-model, no ``--vericache``) instead of starting their own.
+model, no ``--vericache``) and ``vericache_server`` (the same arguments plus ``--vericache`` with
+the default compressor) instead of starting their own. Both prefill in chunks of
+``CHUNKED_PREFILL`` tokens, so a prompt longer than that exercises chunked prefill on both sides.
 """
 
 from __future__ import annotations
@@ -16,6 +19,9 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+CHUNKED_PREFILL = 512
+SHARED_ARGS = ["--max-total-tokens", "16384", "--chunked-prefill-size", str(CHUNKED_PREFILL)]
+
 
 @pytest.fixture(scope="session")
 def default_model_path() -> Path:
@@ -26,10 +32,30 @@ def default_model_path() -> Path:
 
 
 @pytest.fixture(scope="session")
+def chunked_prefill_size() -> int:
+    """The shared servers' ``--chunked-prefill-size``."""
+    return CHUNKED_PREFILL
+
+
+@pytest.fixture(scope="session")
 def plain_server(default_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator:
     """Plain SGLang on CPU serving the embedded default model (started without --model-path)."""
     from sglang_vericache.exactness.server import SGLangServer
 
     log = tmp_path_factory.mktemp("plain_server") / "server.log"
-    with SGLangServer(["--max-total-tokens", "16384"], log_path=log) as server:
+    with SGLangServer(SHARED_ARGS, log_path=log) as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def vericache_server(
+    default_model_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator:
+    """``plain_server``'s arguments plus ``--vericache`` (default compressor, auto draft length)
+    and ``--enable-metrics``: the candidate side of every shared comparison."""
+    from sglang_vericache.exactness.server import SGLangServer
+
+    log = tmp_path_factory.mktemp("vericache_server") / "server.log"
+    args = [*SHARED_ARGS, "--vericache", "--enable-metrics"]
+    with SGLangServer(args, log_path=log) as server:
         yield server

@@ -103,10 +103,10 @@ def test_offload_only_baseline_is_identical_and_keeps_no_kv_on_the_device(
 
 
 @pytest.fixture(scope="module")
-def kivi_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SGLangServer]:
-    with vericache_server("kivi:bits=4", tmp_path_factory.mktemp("kivi"),
-                          extra=("--enable-metrics",)) as server:  # fmt: skip
-        yield server
+def kivi_server(vericache_server) -> SGLangServer:
+    """The session's shared ``--vericache`` server: the default compressor (kivi:bits=4), auto
+    draft length, ``--enable-metrics``."""
+    return vericache_server
 
 
 def test_default_compressor_is_identical_and_accepts_long_drafts(

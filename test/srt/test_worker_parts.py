@@ -108,12 +108,33 @@ def test_only_plain_greedy_requests_are_drafted(sampling: dict, reason: str | No
     assert (got is None) if reason is None else (reason in got)
 
 
-def test_logprob_requests_are_decoded_plainly() -> None:
-    from sglang_vericache.srt.eligibility import plain_reason
+def test_logprob_requests_are_drafted_and_hidden_states_make_the_step_plain() -> None:
+    from sglang_vericache.srt.eligibility import plain_reason, whole_step_reason
 
     req = _req(temperature=0)
-    req.return_logprob = True
-    assert "logprobs" in plain_reason(req)
+    req.return_logprob = True  # served from the verify logits
+    assert plain_reason(req) is None and whole_step_reason(req) is None
+    req.return_hidden_states = True
+    assert "hidden states" in whole_step_reason(req)
+
+
+@pytest.mark.parametrize("overlapped, output, want", [
+    (False, [5, 6, 7], 7),   # synchronous: the step learns the newest token
+    (True, [5, 6, 7], 6),    # overlapped: one token behind
+    (True, [5], 99),         # overlapped first decode: the prompt's last token
+    (False, [5], 5),
+])  # fmt: skip
+def test_penalizers_learn_the_token_plain_sglang_would_feed(overlapped, output, want) -> None:
+    from sglang_vericache.srt.penalties import penalized_token
+
+    assert penalized_token(output, [1, 2, 99], overlapped) == want
+
+
+def test_empty_view_has_no_tokens(pool) -> None:
+    from sglang_vericache.srt.attention import empty_view
+
+    views = empty_view(LayerPool(pool), LAYERS)
+    assert len(views) == LAYERS and views[0][0].shape == (H_KV, 0, D) == views[0][1].shape
 
 
 def test_torch_row_assignment_matches_the_kernel_contract() -> None:

@@ -43,11 +43,18 @@ class DraftViews:
 
     base_lens[i]: committed KV positions of row i at the start of this step (int, host).
     views[i]: None (row decodes over the full pool) or, per layer, (keys, values) each
-        [H_kv, T_view, D] in the KV dtype.
+        [H_kv, T_view, D] in the KV dtype (T_view may be 0: ``empty_view``).
     """
 
     base_lens: list[int]
     views: list[list[tuple[torch.Tensor, torch.Tensor]] | None]
+
+
+def empty_view(pool, num_layers: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A compressed view with no tokens, per layer ([H_kv, 0, D] keys and values): a row that
+    rides along in a draft forward without drafting attends over its own draft chain only."""
+    none = torch.empty(0, dtype=torch.int64, device=pool.get_key_buffer(0).device)
+    return [read_pool_kv(pool, 0, none)] * num_layers
 
 
 @dataclass(slots=True)

@@ -11,12 +11,13 @@ slots; SGLang's model runner reads nothing else of the batch for these modes::
     verify:  inputs rows[r, 0..x] at positions base .. base+x, writes slots table[r, base..base+x]
 
 ``table`` is SGLang's req_to_token [pool rows, max context] int32; ``base`` is [bs] int64 on
-the host.
+the host. ``spec_result`` packs a step's outcome the way SGLang's spec result path reads it.
 """
 
 from __future__ import annotations
 
 import torch
+from sglang.srt.managers.utils import GenerationBatchResult
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sglang.srt.speculative.ngram_info import NgramVerifyInput
 
@@ -55,3 +56,28 @@ def last_tokens(batch, device: torch.device) -> torch.Tensor:
     """Each request's last committed token (its prompt's last before any output): [bs] int64."""
     last = [r.output_ids[-1] if r.output_ids else r.origin_input_ids[-1] for r in batch.reqs]
     return torch.tensor(last, dtype=torch.int64, device=device)
+
+
+def spec_result(batch, width: int, next_token_ids: torch.Tensor, accept_lens: torch.Tensor,
+                new_seq_lens: torch.Tensor, logits_output) -> GenerationBatchResult:  # fmt: skip
+    """A step's result in SGLang's spec (V2) layout.
+
+    next_token_ids: [bs * width] int64, row i's committed tokens first, then padding; width is
+        the allocated verify width (``--speculative-num-draft-tokens``), SGLang's output stride.
+    accept_lens: [bs] int32 committed tokens per row (>= 1); new_seq_lens: [bs] KV lengths after.
+    """
+    bs = len(batch.reqs)
+    device = next_token_ids.device
+    relay = next_token_ids if next_token_ids.numel() == bs * width else torch.zeros(
+        bs * width, dtype=torch.int64, device=device)  # fmt: skip
+    return GenerationBatchResult(
+        logits_output=logits_output,
+        next_token_ids=next_token_ids,
+        accept_lens=accept_lens,
+        new_seq_lens=new_seq_lens,
+        next_draft_input=NgramVerifyInput(
+            draft_token_num=width, new_seq_lens=new_seq_lens, accept_tokens=relay,
+            accept_lens=accept_lens,
+        ),  # fmt: skip
+        speculative_num_draft_tokens=width,
+    )

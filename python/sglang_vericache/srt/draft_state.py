@@ -6,14 +6,17 @@ so the state logic does not depend on SGLang's batch types.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import torch
 from torch import Tensor
 
-from sglang_vericache.compress import CompressedLayerCache, Compressor, Observation
+from sglang_vericache.compress import CompressedLayerCache, Compressor, Full, Observation
 from sglang_vericache.verify import VeriCacheStats
+
+logger = logging.getLogger(__name__)
 
 # Newest committed tokens kept in full precision, never folded: the next drafts lean on them
 # most (with 0, a fold could thin out the tokens right before the draft; measured in
@@ -72,6 +75,22 @@ class RequestDraftState:
                 )
             )
         return cls(layers=caches, covered=t)
+
+    @classmethod
+    def rebuild(cls, compressor: Compressor, read: LayerReader, length: int,
+                num_layers: int) -> "RequestDraftState":  # fmt: skip
+        """Compress a running request again from its full KV (no prompt queries any more).
+
+        Used when a request reaches a decode step without a state that matches its committed
+        length (e.g. after a retraction): the full KV is always exact, so this is always safe.
+        A scorer that needs the prompt's queries cannot run then; the state holds the full KV.
+        """
+        no_queries = [None] * num_layers
+        try:
+            return cls.build(compressor, read, length, no_queries, num_layers)
+        except ValueError as exc:
+            logger.warning("rebuilding without observations (%s): drafting from the full KV", exc)
+            return cls.build(Full(), read, length, no_queries, num_layers)
 
     def views(self) -> list[tuple[Tensor, Tensor]]:
         """Per layer (keys, values) [H_kv, T_view, D] to draft from; cached until ``append``."""

@@ -43,6 +43,11 @@ class VeriCacheExporter:
             "vericache:compressed_kv_slots", "Pool slots held for compressed KV.",
             labelnames=names, multiprocess_mode="mostrecent",
         )  # fmt: skip
+        self._tracked = Gauge(
+            "vericache:tracked_requests",
+            "Requests whose VeriCache state the worker holds (0 when idle: nothing leaked).",
+            labelnames=names, multiprocess_mode="mostrecent",
+        )  # fmt: skip
         self._labels = labels
 
     def observe_verify(self, rec: VerifyRecord) -> None:
@@ -61,6 +66,10 @@ class VeriCacheExporter:
     def observe_request(self, mode: DecodeMode) -> None:
         self._requests.labels(mode=mode.value, **self._labels).inc()
 
-    def set_placement(self, host_kv_tokens: int, reserved_slots: int) -> None:
+    def set_placement(self, ledger: Any, tracked: int) -> None:
+        """Gauges at the end of a scheduler step: ``ledger`` is the offload ledger
+        (``srt/offload.py``), ``tracked`` the requests whose state the worker holds."""
+        host_kv_tokens = sum(entry.host.length for entry in ledger.rows.values())
         self._host_tokens.labels(**self._labels).set(host_kv_tokens)
-        self._reserved.labels(**self._labels).set(reserved_slots)
+        self._reserved.labels(**self._labels).set(ledger.reserved_slots())
+        self._tracked.labels(**self._labels).set(tracked)

@@ -22,7 +22,7 @@ request-to-token pool they share (``ledger_for``). Everything runs on the schedu
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import Tensor
@@ -102,6 +102,13 @@ class OffloadLedger:
     def __init__(self) -> None:
         self.rows: dict[int, OffloadedRow] = {}
         self.freed_slots = 0  # pool slots ever given back by offloads (admission watches it)
+        # Called with a request id when SGLang releases the request's KV (finished at prefill
+        # or decode, aborted, retracted): the end of its life, which the worker needs too.
+        self.release_listeners: list[Callable[[str], None]] = []
+
+    def request_released(self, rid: str) -> None:
+        for listener in self.release_listeners:
+            listener(rid)
 
     def span(self, row: int) -> OffloadedRow | None:
         return self.rows.get(row)

@@ -26,6 +26,7 @@ from sglang_vericache.srt.offload import (
     OffloadLedger,
     ledger_for,
     read_pool_all_layers,
+    read_pool_kv,
     slot_bytes,
     write_pool_all_layers,
 )
@@ -55,6 +56,14 @@ class PoolOffloader:
         self.page = int(getattr(allocator, "page_size", 1))
         self.slot_bytes = slot_bytes(pool, num_layers)
         self.reserve_shortfall = 0  # slots the compressed KV needed but the pool lacked
+
+    def row_slots(self, row: int, start: int, end: int) -> Tensor:
+        """Pool slots of positions [start, end) of req_to_token row ``row``: [n] int64."""
+        return self.table[row, start:end].to(torch.int64)
+
+    def read_slots(self, layer: int, slots: Tensor) -> tuple[Tensor, Tensor]:
+        """K and V of pool ``slots`` ([n] integer) in one layer, each [H_kv, n, D]."""
+        return read_pool_kv(self.pool, layer, slots)
 
     def layer_reader(self, row: int, end: int) -> Callable[[int], tuple[Tensor, Tensor]]:
         """layer -> exact (K, V) of positions [0, end) of ``row``, each [H_kv, end, D]."""

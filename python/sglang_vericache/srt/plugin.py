@@ -70,8 +70,12 @@ def check_compatible(config: VeriCacheConfig, argv: list[str]) -> None:
 
 def _apply(server_args: Any, config: VeriCacheConfig) -> None:
     """Point SGLang at the VERICACHE worker and attention backend (record not yet resolved)."""
+    from sglang_vericache.srt.penalties import PLAIN_OVERLAP_ATTR
     from sglang_vericache.srt.registration import ALGORITHM, AUTO_DRAFT_LEN, BACKEND_NAME
 
+    # the same server without --vericache would overlap its scheduling unless told not to;
+    # penalties follow that scheduler's rule (srt/penalties.py)
+    setattr(server_args, PLAIN_OVERLAP_ATTR, not server_args.disable_overlap_schedule)
     drafts = AUTO_DRAFT_LEN if config.draft_len is None else config.draft_len
     server_args.speculative_algorithm = ALGORITHM
     # verify width: last token + drafts (the offload-only baseline, 0 drafts, keeps width 2)
@@ -151,6 +155,7 @@ def register() -> None:
 
     from sglang_vericache.srt.admission import register_admission_hook
     from sglang_vericache.srt.patches import register_patches
+    from sglang_vericache.srt.penalties import register_penalty_hook
     from sglang_vericache.srt.platform import register_pool_sizing_hook
     from sglang_vericache.srt.registration import (
         register_algorithm,
@@ -171,6 +176,7 @@ def register() -> None:
     register_radix_cache()
     register_patches()
     register_admission_hook()
+    register_penalty_hook()
     register_validation_hooks()
     register_pool_sizing_hook()
     _registered = True

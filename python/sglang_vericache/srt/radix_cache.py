@@ -105,6 +105,7 @@ class VeriCacheRadixCache(RadixCache):
     def on_release(self, req: Any, *, checkpointed: bool) -> None:
         drafted = self.offloader.ledger.span(req.kv.req_pool_idx) is not None
         self.offloader.drop(req.kv.req_pool_idx)
+        self.offloader.ledger.request_released(req.rid)
         if self.remote is not None:
             self.remote.forget(req.rid)
         if self.ahead is not None:

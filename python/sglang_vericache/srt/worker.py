@@ -15,8 +15,10 @@ gets every extend (prefill) and decode batch. Per decode step and request::
              compressed KV's share stays reserved in the pool (``srt/offload.py``)
 
 Only tokens the full-KV verify produced are ever committed, so greedy output equals plain
-decoding. A request that cannot be drafted greedily (temperature > 0, penalties, grammar,
-logprobs) makes the step a plain one-token decode with SGLang's own sampler.
+decoding. Rows that cannot be drafted greedily (temperature > 0, penalties, grammar, ...:
+``srt/eligibility.py``) ride in the same verify with no drafts and take one token from SGLang's
+sampler at its first column (``srt/row_sampling.py``); a batch with no drafted row runs SGLang's
+own one-token decode forward. Logprobs of every committed token come from the verify logits.
 """
 
 from __future__ import annotations
@@ -26,22 +28,30 @@ import time
 from typing import Any
 
 import torch
-from sglang.srt.managers.utils import GenerationBatchResult
 from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
-from sglang.srt.speculative.ngram_info import NgramVerifyInput
 
-from sglang_vericache.compress import Full, build_compressor
+from sglang_vericache.compress import build_compressor
 from sglang_vericache.config import TierKind
-from sglang_vericache.srt.attention import DraftViews, QueryCapture, VeriCacheAttnBackend
-from sglang_vericache.srt.batch_inputs import last_tokens, set_decode_inputs, set_verify_inputs
+from sglang_vericache.srt.attention import (
+    DraftViews,
+    QueryCapture,
+    VeriCacheAttnBackend,
+    empty_view,
+)
+from sglang_vericache.srt.batch_inputs import (
+    last_tokens,
+    set_decode_inputs,
+    set_verify_inputs,
+    spec_result,
+)
 from sglang_vericache.srt.draft_ahead import DraftAhead, draft_ahead_for
 from sglang_vericache.srt.draft_length import DraftLengthController
 from sglang_vericache.srt.draft_state import RequestDraftState
-from sglang_vericache.srt.eligibility import plain_reason
-from sglang_vericache.srt.offload import read_pool_kv
+from sglang_vericache.srt.eligibility import plain_reason, whole_step_reason
 from sglang_vericache.srt.offloader import PoolOffloader
 from sglang_vericache.srt.patches import publish_meta_info
 from sglang_vericache.srt.plugin import vericache_config
+from sglang_vericache.srt.row_sampling import fill_spec_logprobs, sample_first_column
 from sglang_vericache.verify import VeriCacheStats, VerifyRecord, greedy_accept
 from sglang_vericache.verify.stats import DecodeMode
 
@@ -68,6 +78,7 @@ class VeriCacheWorker(BaseSpecWorker):
         self.plain: dict[str, VeriCacheStats] = {}
         self._offloader: PoolOffloader | None = None
         self._ahead: DraftAhead | None = None
+        self._empty_view: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         # rid -> [drafts made while its prefix was fetched, how many of them went to verify]
         self.ahead_used: dict[str, list[int]] = {}
         # --vericache-draft-len 0: the offload-only baseline (full KV off the device, no drafts)
@@ -105,6 +116,8 @@ class VeriCacheWorker(BaseSpecWorker):
                 runner.token_to_kv_pool, runner.req_to_token_pool,
                 runner.token_to_kv_pool_allocator, self.num_layers,
             )  # fmt: skip
+            # also requests that finish at prefill, which SGLang never reports as finished
+            self._offloader.ledger.release_listeners.append(self._forget)
         return self._offloader
 
     @property
@@ -122,42 +135,35 @@ class VeriCacheWorker(BaseSpecWorker):
         owned_from = int(req.kv.cache_protected_len)
         self.offloader.offload(row, owned_from, committed, compressed_bytes)
 
-    # -- pool access -------------------------------------------------------------------------
-
-    def _read_pool(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return read_pool_kv(self.model_runner.token_to_kv_pool, layer, slots)
-
-    @property
-    def _table(self) -> torch.Tensor:
-        """SGLang's req_to_token: [pool rows, max context] int32 pool slots."""
-        return self.model_runner.req_to_token_pool.req_to_token
-
-    def _row_slots(self, row: int, start: int, end: int) -> torch.Tensor:
-        """Pool slots of positions [start, end) of req_to_token row ``row``: [n] int64."""
-        return self._table[row, start:end].to(torch.int64)
-
     # -- the scheduler's entry point -----------------------------------------------------------
 
     def forward_batch_generation(self, batch, on_publish=None, pp_proxy_tensors=None):
         self._forget_finished(batch)
+        drafted = [] if batch.forward_mode.is_extend() else self._drafted_rows(batch)
         if batch.forward_mode.is_extend():
             result = self._prefill(batch, pp_proxy_tensors)
-        elif self.offload_only or any(plain_reason(r) is not None for r in batch.reqs):
-            result = self._plain_step(batch)
+        elif drafted:
+            self._sync_states(batch, drafted)
+            result = self._verify_step(batch, drafted)
         else:
-            self._sync_states(batch)
-            result = self._verify_step(batch)
+            result = self._plain_step(batch)
         if on_publish is not None:
             on_publish(result.new_seq_lens)
-        if self.metrics is not None:
-            ledger = self.offloader.ledger
-            self.metrics.set_placement(
-                sum(e.host.length for e in ledger.rows.values()), ledger.reserved_slots()
-            )
+        self._publish_placement()
         return result
 
-    def _sync_states(self, batch) -> None:
-        """Every row gets a compressed KV covering exactly its committed KV.
+    def _drafted_rows(self, batch) -> list[int]:
+        """Rows this step drafts; the others take one exact token (``srt/row_sampling.py``)."""
+        if self.offload_only or any(whole_step_reason(r) is not None for r in batch.reqs):
+            return []
+        return [i for i, r in enumerate(batch.reqs) if plain_reason(r) is None]
+
+    def _publish_placement(self) -> None:
+        if self.metrics is not None:
+            self.metrics.set_placement(self.offloader.ledger, len(self.states) + len(self.plain))
+
+    def _sync_states(self, batch, drafted: list[int]) -> None:
+        """Every drafted row gets a compressed KV covering exactly its committed KV.
 
         Normally built at prefill and kept in step by each commit; a request that arrives
         without one (or out of step, e.g. after a retraction the worker did not see) is
@@ -165,60 +171,48 @@ class VeriCacheWorker(BaseSpecWorker):
         """
         bases = batch.seq_lens_cpu.tolist()
         rows = batch.req_pool_indices.tolist()
-        for req, base, row in zip(batch.reqs, bases, rows):
+        for i in drafted:
+            req, base, row = batch.reqs[i], bases[i], rows[i]
             state = self.states.get(req.rid)
             if state is None or state.covered != base:
                 if state is not None:
                     logger.warning("request %s: compressed KV out of step; rebuilding", req.rid)
-                self.states[req.rid] = self._rebuild(row, base)
-
-    def _rebuild(self, row: int, base: int) -> RequestDraftState:
-        read, no_queries = self.offloader.layer_reader(row, base), [None] * self.num_layers
-        try:
-            return RequestDraftState.build(
-                self.compressor, read, base, no_queries, self.num_layers
-            )
-        except ValueError as exc:  # a scorer that needs the prompt's queries, gone by now
-            logger.warning("rebuilding without observations (%s): drafting from the full KV", exc)
-            return RequestDraftState.build(Full(), read, base, no_queries, self.num_layers)
+                self.states[req.rid] = RequestDraftState.rebuild(
+                    self.compressor, self.offloader.layer_reader(row, base), base, self.num_layers
+                )  # fmt: skip
 
     def _forget_finished(self, batch) -> None:
-        live = {r.rid for r in batch.reqs}
+        """Drop the state of requests that left the decode batch (aborted, retracted).
+
+        Finished requests are released in ``note_request_finished``; this catches the rest. A
+        prefill batch holds only newly admitted requests, so only decode batches say who left.
+        """
         if not batch.forward_mode.is_decode():
-            return  # a prefill batch holds only the newly admitted requests
+            return
+        live = {r.rid for r in batch.reqs}
         for table in (self.states, self.plain, self.draft_length.estimates, self.ahead_used):
             for rid in [rid for rid in table if rid not in live]:
-                del table[rid]  # left the decode batch: finished, aborted or retracted
+                del table[rid]
 
     def note_request_finished(self, *, rid: str, natural_stop: bool) -> None:
         state = self.states.pop(rid, None)
         if state is not None and self.ahead is not None:
             self.ahead.park(rid, state)  # the prefix cache keeps it for the next turn
+        self._forget(rid)
+
+    def _forget(self, rid: str) -> None:
+        """Drop everything held for ``rid`` (idempotent: finish, then release, both call it)."""
+        self.states.pop(rid, None)
         self.plain.pop(rid, None)
-        ahead = self.ahead_used.pop(rid, None)
-        if ahead is not None:
-            logger.info("request %s: %d drafts made while fetching its prefix, %d verified",
-                        rid, *ahead)  # fmt: skip
+        self.ahead_used.pop(rid, None)  # reported in meta_info["vericache"] until now
         self.draft_length.forget(rid)
+        self._publish_placement()
 
     def _result(self, batch, next_token_ids, accept_lens, new_seq_lens, logits_output):
         width = self.speculative_num_draft_tokens
         for req, row in zip(batch.reqs, batch.req_pool_indices.tolist()):
             publish_meta_info(req, self._meta_info(req.rid, row), len(req.output_ids) + width)
-        return GenerationBatchResult(
-            logits_output=logits_output,
-            next_token_ids=next_token_ids,
-            accept_lens=accept_lens,
-            new_seq_lens=new_seq_lens,
-            next_draft_input=NgramVerifyInput(
-                draft_token_num=width,
-                new_seq_lens=new_seq_lens,
-                accept_tokens=next_token_ids if next_token_ids.numel() == len(batch.reqs) * width
-                else torch.zeros(len(batch.reqs) * width, dtype=torch.int64, device=self.device),
-                accept_lens=accept_lens,
-            ),  # fmt: skip
-            speculative_num_draft_tokens=width,
-        )
+        return spec_result(batch, width, next_token_ids, accept_lens, new_seq_lens, logits_output)
 
     # -- prefill -----------------------------------------------------------------------------
 
@@ -240,7 +234,8 @@ class VeriCacheWorker(BaseSpecWorker):
                 continue  # prompt not complete yet: compress after its last chunk
             reason = plain_reason(req)
             if self.metrics is not None:
-                self.metrics.observe_request(DecodeMode.VERIFY if reason is None else DecodeMode.PLAIN)
+                mode = DecodeMode.VERIFY if reason is None else DecodeMode.PLAIN
+                self.metrics.observe_request(mode)
             if reason is not None:
                 self.plain[req.rid] = VeriCacheStats.plain(reason)
                 continue
@@ -264,37 +259,52 @@ class VeriCacheWorker(BaseSpecWorker):
     # -- decode steps ------------------------------------------------------------------------
 
     def _plain_step(self, batch):
-        """One token per request with SGLang's sampler, exactly as without --vericache."""
+        """One token per request with SGLang's own decode forward and sampler (no drafting)."""
         for req in batch.reqs:
-            reason = plain_reason(req)
-            if reason is not None and req.rid not in self.plain:
-                self.plain[req.rid] = VeriCacheStats.plain(reason)
+            self._note_plain(req)
         base = batch.seq_lens_cpu.clone()
-        set_decode_inputs(batch, self._table, last_tokens(batch, self.device), base, 0)
+        set_decode_inputs(batch, self.offloader.table, last_tokens(batch, self.device), base, 0)
         rows = batch.req_pool_indices.tolist()
         out = self.target_worker.forward_batch_generation(batch)
         for i, req in enumerate(batch.reqs):
             state, plain = self.states.get(req.rid), self.plain.get(req.rid)
             if state is not None:
-                slots = self._row_slots(rows[i], int(base[i]), int(base[i]) + 1)
-                state.append(self._read_pool, slots, [None] * self.num_layers)
+                slots = self.offloader.row_slots(rows[i], int(base[i]), int(base[i]) + 1)
+                state.append(self.offloader.read_slots, slots, [None] * self.num_layers)
             if state is not None or (plain is not None and plain.plain_reason == OFFLOAD_ONLY):
                 self._offload(req, rows[i], int(base[i]) + 1, 0 if state is None else state.nbytes)
         bs = len(batch.reqs)
         width = self.speculative_num_draft_tokens
         tokens = torch.zeros(bs, width, dtype=torch.int64, device=self.device)
         tokens[:, 0] = out.next_token_ids
+        logits_output = out.logits_output
+        if logits_output.next_token_logprobs is not None:  # spec layout: [bs, tokens this step]
+            logits_output.next_token_logprobs = logits_output.next_token_logprobs.view(bs, 1)
         ones = torch.ones(bs, dtype=torch.int32, device=self.device)
         return self._result(batch, tokens.flatten(), ones, (base + 1).to(self.device),
-                            out.logits_output)  # fmt: skip
+                            logits_output)  # fmt: skip
 
-    def _draft(self, batch, base: torch.Tensor, rows: torch.Tensor) -> None:
-        """Fill rows[:, 1:] greedily from the compressed views (rows[:, 0] = last token)."""
-        states = [self.states[r.rid] for r in batch.reqs]
-        self.attn.draft = DraftViews(base.tolist(), [s.views() for s in states])
+    def _note_plain(self, req) -> None:
+        if req.rid not in self.plain and req.rid not in self.states:
+            reason = plain_reason(req) or whole_step_reason(req) or "plain step"
+            reason = OFFLOAD_ONLY if self.offload_only else reason
+            self.plain[req.rid] = VeriCacheStats.plain(reason)
+
+    def _draft(self, batch, base: torch.Tensor, rows: torch.Tensor, drafted: list[int]) -> None:
+        """Fill rows[:, 1:] greedily from the compressed views (rows[:, 0] = last token).
+
+        Rows not in ``drafted`` ride along (one batch, one forward) attending over their own
+        draft chain only; their drafts are never verified.
+        """
+        if self._empty_view is None:
+            self._empty_view = empty_view(self.model_runner.token_to_kv_pool, self.num_layers)
+        views = [self._empty_view] * len(batch.reqs)
+        for i in drafted:
+            views[i] = self.states[batch.reqs[i].rid].views()
+        self.attn.draft = DraftViews(base.tolist(), views)
         try:
             for j in range(rows.shape[1] - 1):
-                set_decode_inputs(batch, self._table, rows[:, j], base, j)
+                set_decode_inputs(batch, self.offloader.table, rows[:, j], base, j)
                 out = self.target_worker.forward_batch_generation(batch, is_verify=True)
                 rows[:, j + 1] = out.logits_output.next_token_logits.argmax(-1)
         finally:
@@ -311,24 +321,30 @@ class VeriCacheWorker(BaseSpecWorker):
             self.ahead_used.setdefault(req.rid, [0, 0])[1] += len(proposals[0])
         return torch.tensor(proposals, dtype=torch.int64, device=self.device)
 
-    def _verify_step(self, batch):
-        left = [r.sampling_params.max_new_tokens - len(r.output_ids) for r in batch.reqs]
-        width = 1 + self.draft_length.drafts_for([r.rid for r in batch.reqs], left)
+    def _verify_step(self, batch, drafted: list[int]):
+        """Draft the ``drafted`` rows, verify every row, commit (see ``srt/row_sampling.py``)."""
         bs = len(batch.reqs)
+        plain_rows = sorted(set(range(bs)) - set(drafted))
+        for i in plain_rows:
+            self._note_plain(batch.reqs[i])
+        rids = [batch.reqs[i].rid for i in drafted]
+        left = [batch.reqs[i].sampling_params.max_new_tokens - len(batch.reqs[i].output_ids)
+                for i in drafted]  # fmt: skip
+        width = 1 + self.draft_length.drafts_for(rids, left)
         base = batch.seq_lens_cpu.clone()
-        rows = torch.empty(bs, width, dtype=torch.int64, device=self.device)
-        ahead = self._drafted_ahead(batch, width - 1)
+        ahead = None if plain_rows else self._drafted_ahead(batch, width - 1)
         if ahead is not None:  # every request was drafted while its prefix was fetched
             width = 1 + ahead.shape[1]
-            rows = torch.empty(bs, width, dtype=torch.int64, device=self.device)
-            rows[:, 1:] = ahead
+        rows = torch.empty(bs, width, dtype=torch.int64, device=self.device)
         rows[:, 0] = last_tokens(batch, self.device)
-        if ahead is None:
+        if ahead is not None:
+            rows[:, 1:] = ahead
+        else:
             started = time.perf_counter()
-            self._draft(batch, base, rows)
+            self._draft(batch, base, rows, drafted)
             self.draft_length.time_draft_step((time.perf_counter() - started) / max(1, width - 1))
 
-        set_verify_inputs(batch, self._table, rows, base)
+        set_verify_inputs(batch, self.offloader.table, rows, base)
         self.attn.capture = QueryCapture(width)
         started = time.perf_counter()
         try:
@@ -336,25 +352,24 @@ class VeriCacheWorker(BaseSpecWorker):
         finally:
             capture, self.attn.capture = self.attn.capture, None
         self.draft_length.time_verify(time.perf_counter() - started)
-        predict = out.logits_output.next_token_logits.argmax(-1).view(bs, width)
-        accepted = greedy_accept(rows, predict)
-        accept_lens = accepted.accept_lens
+        logits = out.logits_output.next_token_logits
+        predict = logits.argmax(-1).view(bs, width)
+        draft_lens = torch.zeros(bs, dtype=torch.int32, device=self.device)
+        draft_lens[drafted] = width - 1
+        accept_lens = greedy_accept(rows, predict, draft_lens).accept_lens
+        sampled = None
+        if plain_rows:
+            tokens, sampled = sample_first_column(
+                self.model_runner, batch, logits, width, base.to(self.device)
+            )  # fmt: skip
+            predict[plain_rows, 0] = tokens[plain_rows]
+        if batch.return_logprob:
+            fill_spec_logprobs(batch, out.logits_output, predict, sampled, plain_rows)
         pool_rows = batch.req_pool_indices.tolist()
-        for i, req in enumerate(batch.reqs):
-            n, row = int(accept_lens[i]), pool_rows[i]
-            state = self.states[req.rid]
-            slots = self._row_slots(row, int(base[i]), int(base[i]) + n)
-            queries = [capture.queries[i][layer][:, :n] for layer in range(self.num_layers)]
-            state.append(self._read_pool, slots, queries)
-            span = self.offloader.ledger.span(row)
-            fetched = 0 if span is None else span.host.nbytes  # host KV the verify read
-            record = VerifyRecord(drafted=width - 1, committed=n, bytes_fetched=fetched,
-                                  wait_full_s=0.0)  # fmt: skip
-            state.stats.record(record)
-            self.draft_length.observe(req.rid, width - 1, n - 1)
-            if self.metrics is not None:
-                self.metrics.observe_verify(record)
-            self._offload(req, row, int(base[i]) + n, state.nbytes)
+        for i in drafted:
+            queries = [capture.queries[i][layer] for layer in range(self.num_layers)]
+            self._commit(batch.reqs[i], pool_rows[i], int(base[i]), int(accept_lens[i]), width,
+                         queries)  # fmt: skip
         new_seq_lens = (base + accept_lens.cpu()).to(self.device)
         tokens = torch.zeros(bs, self.speculative_num_draft_tokens, dtype=torch.int64,
                              device=self.device)  # SGLang's rows are the allocated width
@@ -362,20 +377,29 @@ class VeriCacheWorker(BaseSpecWorker):
         return self._result(batch, tokens.flatten(), accept_lens, new_seq_lens,
                             out.logits_output)  # fmt: skip
 
+    def _commit(self, req, row: int, base: int, n: int, width: int, queries) -> None:
+        """Book ``n`` committed tokens of a drafted row: compressed KV, stats, placement."""
+        state = self.states[req.rid]
+        slots = self.offloader.row_slots(row, base, base + n)
+        state.append(self.offloader.read_slots, slots, [q[:, :n] for q in queries])
+        span = self.offloader.ledger.span(row)
+        fetched = 0 if span is None else span.host.nbytes  # host KV the verify read
+        record = VerifyRecord(drafted=width - 1, committed=n, bytes_fetched=fetched,
+                              wait_full_s=0.0)  # fmt: skip
+        state.stats.record(record)
+        self.draft_length.observe(req.rid, width - 1, n - 1)
+        if self.metrics is not None:
+            self.metrics.observe_verify(record)
+        self._offload(req, row, base + n, state.nbytes)
+
     def _meta_info(self, rid: str, row: int) -> dict[str, Any]:
         """``meta_info["vericache"]``: the counters plus where the request's KV lives now."""
-        info = self.stats_for(rid).to_meta_info()
         state, span = self.states.get(rid), self.offloader.ledger.span(row)
+        stats = state.stats if state is not None else self.plain.get(rid)
+        info = (stats or VeriCacheStats.plain("prompt still in prefill")).to_meta_info()
         info["compressed_kv_bytes"] = 0 if state is None else state.nbytes
         info["host_kv_tokens"] = 0 if span is None else span.host.length
         info["reserved_slots"] = 0 if span is None else int(span.reserved.numel())
         made, verified = self.ahead_used.get(rid, (0, 0))
         info["drafted_while_fetching"], info["drafted_while_fetching_verified"] = made, verified
         return info
-
-    def stats_for(self, rid: str) -> VeriCacheStats:
-        """The request's counters (plain-decoded requests carry their reason)."""
-        state = self.states.get(rid)
-        if state is not None:
-            return state.stats
-        return self.plain.setdefault(rid, VeriCacheStats.plain("prompt still in prefill"))
