@@ -111,6 +111,7 @@ def test_next_turn_is_drafted_while_its_prefix_is_fetched(servers, kv_server, pl
 def test_corrupt_chunk_is_recomputed_identically(servers, kv_server, plain_server,
                                                  tokenizer, default_model_path) -> None:  # fmt: skip
     from sglang_vericache.tier.geometry import KVGeometry
+    from sglang_vericache.tier.identity import ModelIdentity
     from sglang_vericache.tier.keys import chunk_keys
 
     a, b = servers
@@ -118,8 +119,10 @@ def test_corrupt_chunk_is_recomputed_identically(servers, kv_server, plain_serve
     before = kv_server.stats()["puts"]
     _generate(a, ids)
     _wait_stored(kv_server, len(ids) // CHUNK, before)
-    # the keys the servers use: model dir name, fp32 SmolLM2-135M geometry, 128-token chunks
-    geometry = KVGeometry(default_model_path.name, 30, 3, 64, "float32", CHUNK)
+    # the keys the servers use: the model's content identity (weights, config, fp32, no
+    # overrides, TP rank 0, weight version 0), SmolLM2-135M geometry, 128-token chunks
+    model_id = ModelIdentity.for_model(default_model_path, dtype="float32").model_id()
+    geometry = KVGeometry(model_id, 30, 3, 64, "float32", CHUNK)
     keys = chunk_keys(geometry, ids[: len(ids) // CHUNK * CHUNK])
     reply = server_request(kv_server.endpoint, Op.CORRUPT, {"keys": [keys[0].digest]})
     assert reply["ok"] and reply["corrupted"] == 1  # the keys really are the servers' keys

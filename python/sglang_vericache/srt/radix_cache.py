@@ -215,29 +215,24 @@ def _match_key(req: Any) -> Any:
 
 
 def _open_remote(ctx: Any, num_layers: int) -> RemotePrefixLink | None:
-    """The tier link for zmq:// and lmcache:// tiers (None for the host tier)."""
-    import os
-    from pathlib import Path
-
+    """The tier link for zmq:// and lmcache:// tiers (None for the host tier). Keys carry the
+    model's identity and weight version (``srt/model_identity.py``)."""
     from sglang_vericache.config import TierKind
+    from sglang_vericache.srt.model_identity import server_model_identity, tier_geometry_source
     from sglang_vericache.srt.plugin import vericache_config
-    from sglang_vericache.tier.geometry import KVGeometry
 
     tier = vericache_config(ctx.server_args).tier
     if tier.kind is TierKind.HOST:
         return None
-    if ctx.tp_size > 1:  # keys would need the rank, readiness an all-reduce (not built)
+    if ctx.tp_size > 1:  # readiness would need an all-reduce across ranks (not built)
         raise ValueError(f"--vericache-tier {tier} supports --tp-size 1 only; use "
                          "--vericache-tier host with tensor parallelism")  # fmt: skip
     keys = ctx.params.token_to_kv_pool_allocator.get_kvcache().get_key_buffer(0)
-    model_id = Path(str(ctx.server_args.model_path)).name or str(ctx.server_args.model_path)
-    geometry = KVGeometry.from_torch_dtype(
-        model_id, num_layers, keys.shape[1], keys.shape[2], keys.dtype, REMOTE_CHUNK_TOKENS
-    )
-    secret = os.environ.get("VERICACHE_TIER_SECRET")
+    identity = server_model_identity(ctx.server_args, ctx.model_config, ctx.tp_rank)
+    geometry = tier_geometry_source(identity, num_layers, keys.shape[1], keys.shape[2],
+                                    keys.dtype, REMOTE_CHUNK_TOKENS)  # fmt: skip
     logger.info("remote prefix tier %s (chunks of %d tokens)", tier, REMOTE_CHUNK_TOKENS)
-    return RemotePrefixLink.open(str(tier), geometry,
-                                 secret=secret.encode() if secret else None)  # fmt: skip
+    return RemotePrefixLink.open(str(tier), geometry)
 
 
 def build_vericache_radix_cache(ctx: Any) -> VeriCacheRadixCache:

@@ -17,6 +17,12 @@ Every failure (dead server, timeout, corrupt chunk, geometry mismatch, full tier
 blocks on the network: the tier client runs its own I/O thread (submit/poll). ``tier_up`` says
 whether the tier's latest finished task got through (the prefix cache then keeps a finished
 request's full KV on the device instead of relying on the tier for it).
+
+What is remembered as stored (so write-through skips it) is forgotten when the tier's epoch
+changes (a restarted KV server holds nothing) and, key by key, when a lookup or fetch finds a
+key missing (evicted). When the model identity changes (a weight update: ``geometry_now``
+returns another geometry) every key changes: the link drops its requests' state and reopens
+the tier under the new geometry.
 """
 
 from __future__ import annotations
@@ -71,12 +77,20 @@ class RemoteCounters:
 class RemotePrefixLink:
     """Lookup / fetch / write-through of full-KV prefixes for one prefix cache (module doc).
 
-    Used from the scheduler thread only. ``tier`` is any ``FullKVTier``.
+    Used from the scheduler thread only. ``tier`` is any ``FullKVTier``. ``geometry_now``
+    gives the geometry keys must use now (it changes with the weight version) and ``reopen``
+    builds a tier for a new one; without them the geometry is fixed.
     """
 
-    def __init__(self, tier: FullKVTier) -> None:
+    def __init__(self, tier: FullKVTier, geometry_now: Callable[[], KVGeometry] | None = None,
+                 reopen: Callable[[KVGeometry], FullKVTier] | None = None) -> None:
+        if (geometry_now is None) != (reopen is None):
+            raise ValueError("geometry_now and reopen go together")
         self.tier = tier
         self.geometry: KVGeometry = tier.geometry
+        self._geometry_now = geometry_now
+        self._reopen = reopen
+        self._epoch: bytes | None = None  # the tier epoch that _stored was learned under
         self.chunk = self.geometry.chunk_tokens
         self.pending: dict[str, _Pending] = {}
         self._puts: dict[TaskId, tuple[list[ChunkKey], list[Tensor]]] = {}
@@ -86,10 +100,16 @@ class RemotePrefixLink:
         self.tier_up = True  # the latest finished tier task did not fail (a miss is not a fail)
 
     @classmethod
-    def open(cls, spec: str, geometry: KVGeometry, **options) -> "RemotePrefixLink":
+    def open(cls, spec: str, geometry: KVGeometry | Callable[[], KVGeometry],
+             **options) -> "RemotePrefixLink":
+        """The link to tier ``spec``; ``geometry`` may be a callable (see the class doc)."""
         from sglang_vericache.tier.factory import TierOptions
 
-        return cls(open_tier(spec, geometry, TierOptions(**options)))
+        opts = TierOptions(**options)
+        if isinstance(geometry, KVGeometry):
+            return cls(open_tier(spec, geometry, opts))
+        return cls(open_tier(spec, geometry(), opts), geometry,
+                   lambda g: open_tier(spec, g, opts))
 
     # -- reads --------------------------------------------------------------------------------
 
@@ -169,6 +189,7 @@ class RemotePrefixLink:
 
     def poll(self) -> None:
         """Apply every finished tier task (never blocks); forget long-abandoned requests."""
+        self._follow_identity()
         now = time.monotonic()
         for rid in [r for r, s in self.pending.items() if now - s.created > PENDING_TTL_S]:
             self.forget(rid)
@@ -176,6 +197,7 @@ class RemotePrefixLink:
         for task_id, result in self.tier.poll().items():
             if result.status is not TaskStatus.CANCELLED:
                 self.tier_up = result.status is TaskStatus.DONE
+            self._follow_epoch(result.epoch)
             put = self._puts.pop(task_id, None)
             if put is not None:
                 self._finish_put(put[0], result)
@@ -186,6 +208,9 @@ class RemotePrefixLink:
             rid, state = rid_state
             state.task = None
             n_ok = result.num_ok_prefix if result.status is TaskStatus.DONE else 0
+            if result.status is TaskStatus.DONE:  # a key found missing is no longer stored
+                for key in state.keys[n_ok:]:
+                    self._stored.pop(key.digest, None)
             if result.status is not TaskStatus.DONE or (state.phase == "fetch" and not result.all_ok):
                 self.counters.fetch_failures += 1
                 logger.warning("tier %s for request %s: %s (%d/%d chunks usable); the rest is "
@@ -229,6 +254,33 @@ class RemotePrefixLink:
                 self._stored[key.digest] = None
         while len(self._stored) > STORED_KEYS_REMEMBERED:
             self._stored.popitem(last=False)
+
+    def _follow_epoch(self, epoch: bytes | None) -> None:
+        """A new tier epoch (restarted KV server): nothing remembered as stored still is."""
+        if epoch is None or epoch == self._epoch:
+            return
+        if self._epoch is not None and self._stored:
+            logger.info("tier epoch changed (KV server restarted): forgetting %d chunks "
+                        "remembered as stored; they are written again", len(self._stored))
+        self._stored.clear()
+        self._epoch = epoch
+
+    def _follow_identity(self) -> None:
+        """Reopen the tier under a new geometry when the model identity changed."""
+        if self._geometry_now is None or self._reopen is None:
+            return
+        geometry = self._geometry_now()
+        if geometry == self.geometry:
+            return
+        logger.info("model identity changed: dropping %d waiting requests' tier state and "
+                    "reopening the tier with new keys", len(self.pending))
+        for rid in list(self.pending):
+            self.forget(rid)
+        self.tier.close()  # cancels every task: no old-identity KV can land after this
+        self._puts.clear()
+        self._stored.clear()
+        self._epoch = None
+        self.tier, self.geometry = self._reopen(geometry), geometry
 
     def close(self) -> None:
         self.tier.close()

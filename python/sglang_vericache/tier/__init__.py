@@ -8,6 +8,8 @@ Public API (pure python + torch + pyzmq + msgpack; nothing here imports sglang, 
     gather_chunk, scatter_chunk               token-slot KV pool <-> one chunk
     FullKVTier, TaskId, TaskResult, ...       the submit/poll interface (base.py)
     open_tier(spec, geometry, options)        "host" | "zmq://HOST:PORT" | "lmcache://HOST:PORT"
+    ModelIdentity                             the model's content identity (KVGeometry.model_id)
+    TierSecret, resolve_secret                the zmq server's shared secret and where it is from
 
 The KV server runs as ``python -m sglang_vericache.tier.server`` (see server.py). The names
 above are resolved lazily (PEP 562) so that starting the server, which needs neither torch
@@ -25,7 +27,8 @@ _EXPORTS = {
     "TierOptions": "factory", "open_tier": "factory", "parse_tier_spec": "factory",
     "KVGeometry": "geometry", "alloc_chunks": "layout", "join_chunks": "layout",
     "split_chunks": "layout", "gather_chunk": "layout", "scatter_chunk": "layout",
-    "ChunkKey": "keys", "chunk_keys": "keys",
+    "ChunkKey": "keys", "chunk_keys": "keys", "ModelIdentity": "identity",
+    "TierSecret": "secret", "resolve_secret": "secret",
 }
 
 __all__ = sorted(_EXPORTS)

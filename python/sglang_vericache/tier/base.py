@@ -52,7 +52,10 @@ class TaskStatus(str, Enum):
 class TaskResult:
     """ok: one flag per submitted key (put: stored or already present; fetch: verified and
     copied into dst; lookup: stored complete), prefix-closed for fetch and lookup.
-    nbytes: payload bytes moved. error: why not everything is ok (None when all are)."""
+    nbytes: payload bytes moved. error: why not everything is ok (None when all are).
+    epoch: the store generation that answered (the zmq server draws one at every start);
+    None when the tier has no such notion (host: lives and dies with its owner) or did not
+    answer. A different epoch than before means everything stored earlier may be gone."""
 
     task_id: TaskId
     kind: TaskKind
@@ -60,6 +63,7 @@ class TaskResult:
     ok: tuple[bool, ...]
     nbytes: int = 0
     error: str | None = None
+    epoch: bytes | None = None
 
     @property
     def num_ok_prefix(self) -> int:

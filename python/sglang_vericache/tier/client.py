@@ -16,6 +16,11 @@ so a restarted server is used again without action from the caller.
 A put whose task already failed may still leave zmq's queue later, reading the caller's
 tensor as it is then; its checksums were computed at submit time, so the server rejects
 it as corrupt if the tensor has changed meanwhile: wrong KV can never be stored.
+
+Every request is signed and every reply checked with the shared secret (``auth.py``,
+``secret.py``); a reply that does not authenticate only ever fails its task, with an error
+that says where each side's secret should come from. Every authenticated reply carries the
+server's epoch, passed on in the task's result (``TaskResult.epoch``).
 """
 
 from __future__ import annotations
@@ -33,20 +38,22 @@ import torch
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from sglang_vericache.tier.auth import ClientSession
 from sglang_vericache.tier.base import TaskId, TaskKind, TaskStatus, check_batch, prefix_closed
 from sglang_vericache.tier.geometry import KVGeometry
 from sglang_vericache.tier.keys import ChunkKey
 from sglang_vericache.tier.protocol import (
+    EPOCH_BYTES,
+    MAX_HEADER_BYTES,
     PROTOCOL_VERSION,
     ChunkManifest,
     Op,
     ProtocolError,
     PutStatus,
-    check_mac,
     require,
-    seal,
     unpack_header,
 )
+from sglang_vericache.tier.secret import TierSecret, mismatch_hint, resolve_secret
 from sglang_vericache.tier.task_table import TaskTableTier
 
 logger = logging.getLogger("sglang_vericache.tier.client")
@@ -55,6 +62,9 @@ _COUNTERS = ("submitted", "completed", "failures", "timeouts", "disconnects", "u
              "checksum_mismatch", "geometry_mismatch", "protocol_errors", "server_errors",
              "cancelled", "late_replies", "fallbacks", "put_rejected", "chunks_put",
              "chunks_fetched", "chunks_missed", "bytes_sent", "bytes_received")
+
+
+_RESIGN_AFTER_S = 1.0  # unsent frames older than this are signed again (auth.START_GRACE_S)
 
 
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
@@ -73,6 +83,8 @@ class _Task:
     sent: bool = False
     cancelled: bool = False
     frames: list[Any] | None = None  # built once (checksums), resent while unconnected
+    signed_at: float = 0.0           # when ``frames`` were signed (re-signed when stale)
+    epoch: bytes | None = None       # the epoch in the server's authenticated reply
     copy_lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -81,19 +93,25 @@ class ZmqTier(TaskTableTier[_Task]):
 
     timeout_s: a request without a reply after this long fails.
     connect_timeout_s: a request that could not be sent (no server) fails after this long.
-    secret: shared secret (>= 16 bytes) when the server has one; replies are verified too.
+    secret: the shared secret (``secret.py``); None resolves it as the server does
+        ($VERICACHE_TIER_SECRET, else the per-user secret file). Replies are verified too.
     """
 
     def __init__(self, endpoint: str, geometry: KVGeometry, *, timeout_s: float = 30.0,
-                 connect_timeout_s: float = 2.0, secret: bytes | None = None) -> None:
+                 connect_timeout_s: float = 2.0, secret: TierSecret | bytes | None = None
+                 ) -> None:
         if timeout_s <= 0 or connect_timeout_s <= 0:
             raise ValueError("timeouts must be > 0")
+        if not isinstance(secret, TierSecret):
+            secret = resolve_secret() if secret is None \
+                else TierSecret(secret, "the secret given to the client")
         super().__init__(_COUNTERS)
         self.geometry = geometry
         self.endpoint = endpoint
         self.timeout_s = timeout_s
         self.connect_timeout_s = min(connect_timeout_s, timeout_s)
-        self._secret = secret
+        self.secret_source = secret.source
+        self._session = ClientSession(secret.value)
         self._ns = geometry.namespace()
         self._inbox: deque[_Task] = deque()
         self._ctx = zmq.Context()
@@ -101,7 +119,10 @@ class ZmqTier(TaskTableTier[_Task]):
         for opt, value in ((zmq.LINGER, 0), (zmq.IMMEDIATE, 1), (zmq.SNDHWM, 0),
                            (zmq.RCVHWM, 0), (zmq.RECONNECT_IVL, 100),
                            (zmq.RECONNECT_IVL_MAX, 1000), (zmq.HEARTBEAT_IVL, 1000),
-                           (zmq.HEARTBEAT_TIMEOUT, 5000)):
+                           (zmq.HEARTBEAT_TIMEOUT, 5000),
+                           # no legitimate reply frame is bigger than a chunk or a header
+                           (zmq.MAXMSGSIZE, max(geometry.chunk_nbytes(geometry.chunk_tokens),
+                                                MAX_HEADER_BYTES))):
             self._sock.setsockopt(opt, value)
         self._monitor = self._sock.get_monitor_socket(
             zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
@@ -202,8 +223,9 @@ class ZmqTier(TaskTableTier[_Task]):
             if task.cancelled or task.task_id not in self._tasks:
                 outbox.popleft()
                 continue
-            if task.frames is None:
-                task.frames = self._request_frames(task)
+            if task.frames is None or time.monotonic() - task.signed_at > _RESIGN_AFTER_S:
+                # a server that starts later refuses requests signed long before it started
+                task.frames, task.signed_at = self._request_frames(task), time.monotonic()
             frames = task.frames
             try:
                 self._sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
@@ -229,7 +251,7 @@ class ZmqTier(TaskTableTier[_Task]):
         else:
             op = Op.GET if task.kind is TaskKind.FETCH else Op.EXISTS
             header.update(op=op.value, keys=[k.digest for k in task.keys], ns=self._ns)
-        return seal(header, payload, self._secret)
+        return self._session.sign(header, payload)
 
     def _expire(self) -> None:
         now = time.monotonic()
@@ -277,23 +299,28 @@ class ZmqTier(TaskTableTier[_Task]):
         if task is None:  # timed out, cancelled, or failed by a disconnect earlier
             self._count("late_replies")
             return
-        if self._secret is not None:
-            try:
-                check_mac(self._secret, header, frames, check_time=False)
-            except ProtocolError as exc:
-                # An unauthenticated reply may only ever fail its task, never deliver data
-                # (typically the server has another secret and says "unauthorized").
-                detail = f"{header.get('code')}: {header.get('error')}" \
-                    if header.get("ok") is False else "no error given"
-                self._fail(task, f"unauthenticated reply ({exc}); server said {detail}",
-                           "protocol_errors")
-                return
-            frames = frames[:-1]
+        try:
+            self._session.check_reply(header, frames)
+        except ProtocolError as exc:
+            # An unauthenticated reply may only ever fail its task, never deliver data
+            # (typically the server has another secret and says "unauthorized").
+            detail = f"{header.get('code')}: {header.get('error')}" \
+                if header.get("ok") is False else "no error given"
+            self._fail(task, f"unauthenticated reply from the KV server {self.endpoint} "
+                             f"({exc}; it said {detail}): {mismatch_hint(self.secret_source)}",
+                       "protocol_errors")
+            return
+        frames = frames[:-1]
+        epoch = header.get("epoch")
+        task.epoch = epoch if isinstance(epoch, bytes) and len(epoch) == EPOCH_BYTES else None
         try:
             if header.get("ok") is not True:
                 self._count("server_errors")
-                self._finish(task, TaskStatus.FAILED, [False] * len(task.keys),
-                             error=f"server: {header.get('code')}: {header.get('error')}")
+                # authenticated, so the secrets match: an "unauthorized" here is a stale
+                # timestamp or a replay, and the server's message says which
+                error = f"server: {header.get('code')}: {header.get('error')}"
+                self._finish(task, TaskStatus.FAILED, [False] * len(task.keys), error=error,
+                             epoch=task.epoch)
             elif task.kind is TaskKind.PUT:
                 self._on_put(task, header)
             elif task.kind is TaskKind.LOOKUP:
@@ -314,7 +341,7 @@ class ZmqTier(TaskTableTier[_Task]):
         if rejected:
             self._count("put_rejected", len(rejected))
         nbytes = sum(c.nbytes for c, flag in zip(task.tensors, ok) if flag)
-        self._finish(task, TaskStatus.DONE, ok, nbytes=nbytes,
+        self._finish(task, TaskStatus.DONE, ok, nbytes=nbytes, epoch=task.epoch,
                      error=f"rejected: {sorted(set(rejected))}" if rejected else None)
 
     def _on_lookup(self, task: _Task, header: dict[str, Any]) -> None:
@@ -322,7 +349,7 @@ class ZmqTier(TaskTableTier[_Task]):
         if len(present) != len(task.keys):
             raise ProtocolError("lookup reply count mismatch")
         ok = prefix_closed([p is True for p in present])
-        self._finish(task, TaskStatus.DONE, ok,
+        self._finish(task, TaskStatus.DONE, ok, epoch=task.epoch,
                      error=None if all(ok) else f"{sum(ok)}/{len(ok)} chunks stored")
 
     def _on_fetch(self, task: _Task, header: dict[str, Any], payload: list[memoryview]) -> None:
@@ -348,7 +375,7 @@ class ZmqTier(TaskTableTier[_Task]):
         self._count("chunks_missed", len(ok) - hits)
         if error is None and hits < len(ok):
             error = f"{hits}/{len(ok)} chunks stored"
-        self._finish(task, TaskStatus.DONE, ok, nbytes=nbytes, error=error)
+        self._finish(task, TaskStatus.DONE, ok, nbytes=nbytes, error=error, epoch=task.epoch)
 
     def _verify_chunk(self, key: ChunkKey, item: Any, frame: memoryview) -> str | None:
         """None if the chunk is exactly what ``key`` names under our geometry, else why not."""

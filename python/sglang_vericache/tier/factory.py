@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from sglang_vericache.tier.base import FullKVTier
 from sglang_vericache.tier.geometry import KVGeometry
+from sglang_vericache.tier.secret import MIN_SECRET_BYTES, TierSecret
 
 SCHEMES = ("host", "zmq://HOST:PORT", "lmcache://HOST:PORT")
 
@@ -19,20 +20,21 @@ SCHEMES = ("host", "zmq://HOST:PORT", "lmcache://HOST:PORT")
 class TierOptions:
     """host_capacity_bytes: the host tier's byte budget (LRU beyond it).
     timeout_s / connect_timeout_s: remote request / no-server deadlines (remote tiers).
-    secret: shared secret of a zmq server that has one (>= 16 bytes)."""
+    secret: the zmq server's shared secret (>= 16 bytes); None resolves it as the server
+        does ($VERICACHE_TIER_SECRET, else the per-user secret file: ``secret.py``)."""
 
     host_capacity_bytes: int = 32 << 30
     timeout_s: float = 30.0
     connect_timeout_s: float = 2.0
-    secret: bytes | None = None
+    secret: TierSecret | bytes | None = None
 
     def __post_init__(self) -> None:
         if self.host_capacity_bytes <= 0:
             raise ValueError("host_capacity_bytes must be > 0")
         if self.timeout_s <= 0 or self.connect_timeout_s <= 0:
             raise ValueError("timeouts must be > 0")
-        if self.secret is not None and len(self.secret) < 16:
-            raise ValueError("secret must be at least 16 bytes")
+        if isinstance(self.secret, bytes) and len(self.secret) < MIN_SECRET_BYTES:
+            raise ValueError(f"secret must be at least {MIN_SECRET_BYTES} bytes")
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,7 +67,8 @@ def parse_tier_spec(spec: str) -> TierSpec:
 
 def open_tier(spec: str, geometry: KVGeometry, options: TierOptions | None = None) -> FullKVTier:
     """Build the tier named by ``spec`` for KV of ``geometry``. Never contacts the network
-    synchronously: an unreachable server shows up as failed tasks, not as an exception."""
+    synchronously: an unreachable server shows up as failed tasks, not as an exception.
+    Raises ValueError for a bad spec or an unusable shared secret (``secret.py``)."""
     parsed = parse_tier_spec(spec)
     opts = options or TierOptions()
     if parsed.scheme == "host":

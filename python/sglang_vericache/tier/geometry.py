@@ -36,8 +36,10 @@ _NAMESPACE_VERSION = b"vericache-fullkv-v1"
 class KVGeometry:
     """What a stored chunk means. Two tiers exchange chunks only if every field matches.
 
-    model_id: a stable name of the weights (e.g. HF repo id + revision); it is hashed
-        into every key, so two models never share entries even with equal shapes.
+    model_id: what computed the KV; servers use ``ModelIdentity.model_id()`` (``identity.py``:
+        weights digest, config, dtype, quantization, overrides, TP rank, weight version).
+        It is hashed into every key, so two models never share entries even with equal
+        shapes, whatever their directories are called.
     dtype: one of float32, float16, bfloat16, float8_e4m3fn, float8_e5m2 (the KV pool dtype).
     chunk_tokens: tokens per full chunk (the last chunk of a sequence may be shorter).
     """

@@ -3,9 +3,9 @@
     key_i = blake2b-256( key_{i-1}  ||  namespace(geometry)  ||  u32 len_i  ||  int64le tokens_i )
     key_{-1} = namespace(geometry)
 
-The namespace digests model id, layers, KV heads, head dim, dtype and chunk size
-(``KVGeometry.namespace``), so a key of another model or geometry can never collide
-with ours. Chaining makes key_i depend on every token before the chunk, which is what
+The namespace digests model id (the model's content identity: ``identity.py``), layers, KV
+heads, head dim, dtype and chunk size (``KVGeometry.namespace``), so a key of another model,
+weight version or geometry can never collide with ours. Chaining makes key_i depend on every token before the chunk, which is what
 makes a prefix hit mean "same KV" (causal attention). The chunk length is hashed so a
 short last chunk never aliases the full chunk that later replaces it.
 

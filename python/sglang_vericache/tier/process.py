@@ -13,6 +13,7 @@ from pathlib import Path
 import sglang_vericache
 from sglang_vericache.tier.admin import server_request
 from sglang_vericache.tier.protocol import Op
+from sglang_vericache.tier.secret import TierSecret
 
 PACKAGE_ROOT = str(Path(sglang_vericache.__file__).resolve().parents[1])
 
@@ -49,7 +50,7 @@ class ServerProcess:
     def port(self) -> int:
         return int(self.endpoint.rsplit(":", 1)[1])
 
-    def stats(self, secret: bytes | None = None) -> dict[str, int]:
+    def stats(self, secret: TierSecret | bytes | None = None) -> dict[str, int]:
         reply = server_request(self.endpoint, Op.STATS, secret=secret)
         assert reply["integrity"] == "ok", reply["integrity"]
         return reply["stats"]

@@ -3,30 +3,34 @@
     python -m sglang_vericache.tier.server --host 127.0.0.1 --port 7300 --capacity-gb 4 \\
         [--bandwidth-mbps 100] [--secret-file PATH]
 
-Wire protocol: ``protocol.py``. The server never dies on bad input: every request is
-handled inside one try/except that turns any problem into an error reply (and a counter);
-oversized frames are cut off by libzmq (ZMQ_MAXMSGSIZE disconnects the peer before the
-bytes are buffered). ``--bandwidth-mbps`` emulates a slower remote store: replies carrying
-payload leave no faster than that many megabytes (10^6 bytes) per second on a shared
-outbound link, and put acknowledgements wait for the same rate on the inbound link.
-Throttled replies are queued, not slept on, so small requests keep being served.
+Wire protocol: ``protocol.py``; authentication: ``auth.py``; the secret: ``secret.py`` (there
+always is one). The server never dies on bad input: every request is handled inside one
+try/except that turns any problem into an error reply (and a counter). A message is checked
+in this order, and refused at the first failure without touching the store: frame count and
+sizes as its frames are received (oversized frames are cut off earlier by libzmq:
+ZMQ_MAXMSGSIZE disconnects the peer before the bytes are buffered), header, MAC (over the
+header and frame lengths), timestamp and replay state, then the op itself, which checks
+every put chunk against its authenticated manifest before storing it. ``--bandwidth-mbps``
+emulates a slower remote store (``throttle.py``).
 Configuration and command line: ``server_config.py``.
 """
 
 from __future__ import annotations
 
-import heapq
 import logging
+import os
 import signal
 import sys
-import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from sglang_vericache.tier.auth import RequestAuthenticator, seal
+from sglang_vericache.tier.intake import MessageLimits, receive_message
 from sglang_vericache.tier.protocol import (
+    EPOCH_BYTES,
     KEY_BYTES,
     NAMESPACE_BYTES,
     PROTOCOL_VERSION,
@@ -35,14 +39,14 @@ from sglang_vericache.tier.protocol import (
     Op,
     ProtocolError,
     PutStatus,
-    check_mac,
     require,
     require_keys,
-    seal,
     unpack_header,
 )
-from sglang_vericache.tier.server_config import ServerConfig, build_arg_parser, read_secret
+from sglang_vericache.tier.secret import resolve_secret
+from sglang_vericache.tier.server_config import ServerConfig, build_arg_parser
 from sglang_vericache.tier.store import Admission, LRUByteStore
+from sglang_vericache.tier.throttle import LinkThrottle
 
 logger = logging.getLogger("sglang_vericache.tier.server")
 
@@ -59,7 +63,8 @@ class ServerCounters:
     corrupt_rejected: int = 0   # puts whose checksum/size did not match
     full_rejected: int = 0      # puts larger than the whole budget
     bad_requests: int = 0       # malformed, unknown op, wrong version
-    unauthorized: int = 0       # missing/bad MAC when a secret is set
+    unauthorized: int = 0       # missing/bad MAC, stale timestamp, replay
+    limit_rejected: int = 0     # too many frames or bytes in one message (never read whole)
     bytes_in: int = 0
     bytes_out: int = 0
     peer_disconnects: int = 0    # includes peers cut off by ZMQ_MAXMSGSIZE (oversized frame)
@@ -72,13 +77,6 @@ class StoredChunk:
     payload: memoryview  # keeps the received zmq frame alive: stored zero-copy
 
 
-@dataclass(order=True)
-class _Delayed:
-    send_at: float
-    seq: int
-    frames: list[Any] = field(compare=False)
-
-
 class KVTierServer:
     """Serve one ROUTER socket. ``step()`` handles what is ready (testable in-process);
     ``serve_forever()`` loops until ``stop()`` (also called by SIGTERM in the CLI)."""
@@ -87,6 +85,9 @@ class KVTierServer:
         self.config = config
         self.counters = ServerCounters()
         self.store: LRUByteStore[bytes, StoredChunk] = LRUByteStore(config.capacity_bytes)
+        self.auth = RequestAuthenticator(config.secret, config.max_clock_skew_s)
+        # Drawn at every start: a client seeing another epoch knows this store is new.
+        self.epoch = os.urandom(EPOCH_BYTES)
         self._ctx = context or zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -103,18 +104,18 @@ class KVTierServer:
         self._poller.register(self._monitor, zmq.POLLIN)
         self._sock.bind(f"tcp://{config.host}:{port}")
         self.endpoint: str = self._sock.getsockopt(zmq.LAST_ENDPOINT).decode()
-        self._delayed: list[_Delayed] = []
-        self._seq = 0
-        self._out_free_at = 0.0
-        self._in_free_at = 0.0
+        self._limits = MessageLimits(config.max_frames, config.max_frame_bytes,
+                                     config.max_message_bytes)
+        self._throttle = None if config.bandwidth_mb_s is None \
+            else LinkThrottle(config.bandwidth_mb_s)
         self._running = True
 
     # -- loop ---------------------------------------------------------------------------
     def step(self, timeout_ms: int = 100) -> int:
         """Wait up to timeout_ms for requests, handle all that are ready, flush due replies."""
-        now = time.monotonic()
-        if self._delayed:
-            timeout_ms = max(0, min(timeout_ms, int((self._delayed[0].send_at - now) * 1000) + 1))
+        due_s = None if self._throttle is None else self._throttle.next_due_s()
+        if due_s is not None:
+            timeout_ms = max(0, min(timeout_ms, int(due_s * 1000) + 1))
         handled = 0
         events = dict(self._poller.poll(timeout_ms))
         if self._monitor in events:
@@ -122,10 +123,13 @@ class KVTierServer:
         if self._sock in events:
             while handled < 64:
                 try:
-                    frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                    frames, refusal = receive_message(self._sock, self._limits)
                 except zmq.Again:
                     break
-                self._handle(frames)
+                if refusal is None:
+                    self._handle(frames)
+                else:
+                    self._refuse(frames, refusal)
                 handled += 1
         self._flush_delayed()
         return handled
@@ -166,6 +170,24 @@ class KVTierServer:
                    capacity_bytes=self.store.capacity_bytes)
         return out
 
+    # -- refusal ----------------------------------------------------------------------------
+    def _refuse(self, frames: list[zmq.Frame], why: str) -> None:
+        self.counters.requests += 1
+        self.counters.limit_rejected += 1
+        request_id = 0
+        sid_seq: dict[str, Any] = {}
+        if len(frames) > 1:
+            try:  # unauthenticated: only echoed back, never trusted
+                header = unpack_header(frames[1].buffer)
+                request_id = header["id"]
+                sid_seq = _session_echo(header)
+            except ProtocolError:
+                pass
+        logger.warning("refused request %d: %s", request_id, why)
+        reply = {"v": PROTOCOL_VERSION, "id": request_id, "epoch": self.epoch, **sid_seq,
+                 "ok": False, "code": ErrorCode.LIMIT.value, "error": why}
+        self._send(frames[0].bytes, seal(reply, [], self.config.secret), None)
+
     # -- dispatch -------------------------------------------------------------------------
     def _handle(self, frames: list[zmq.Frame]) -> None:
         self.counters.requests += 1
@@ -175,16 +197,13 @@ class KVTierServer:
         identity, body = frames[0].bytes, [f.buffer for f in frames[1:]]
         self.counters.bytes_in += sum(b.nbytes for b in body)
         request_id = 0
+        sid_seq: dict[str, Any] = {}
         try:
             header = unpack_header(body[0])
             request_id = header["id"]
-            if self.config.secret is not None:
-                check_mac(self.config.secret, header, body, check_time=True)
-                body = body[:-1]
-            elif header.get("auth"):
-                raise ProtocolError("this server has no shared secret; client sent a MAC",
-                                    ErrorCode.UNAUTHORIZED)
-            reply, payload, link = self._dispatch(header, body[1:])
+            sid_seq = _session_echo(header)
+            self.auth.check(header, body)  # header + frame lengths: no payload byte hashed
+            reply, payload, link = self._dispatch(header, body[1:-1])
         except ProtocolError as exc:
             if exc.code is ErrorCode.UNAUTHORIZED:
                 self.counters.unauthorized += 1
@@ -198,7 +217,7 @@ class KVTierServer:
             logger.exception("internal error on request %d", request_id)
             reply, payload, link = ({"ok": False, "code": ErrorCode.BAD_REQUEST.value,
                                      "error": f"internal error: {type(exc).__name__}"}, [], None)
-        reply = {"v": PROTOCOL_VERSION, "id": request_id, **reply}
+        reply = {"v": PROTOCOL_VERSION, "id": request_id, "epoch": self.epoch, **sid_seq, **reply}
         self._send(identity, seal(reply, payload, self.config.secret), link)
 
     def _dispatch(self, header: dict[str, Any], payload: list[memoryview]
@@ -310,24 +329,14 @@ class KVTierServer:
 
     # -- sending --------------------------------------------------------------------------
     def _send(self, identity: bytes, frames: list[Any], link: tuple[str, int] | None) -> None:
-        rate = self.config.bandwidth_mb_s
-        if rate is None or link is None or link[1] == 0:
+        if self._throttle is None or link is None or link[1] == 0:
             self._send_now(identity, frames)
-            return
-        now = time.monotonic()
-        cost = link[1] / (rate * 1e6)
-        if link[0] == "out":
-            self._out_free_at = send_at = max(now, self._out_free_at) + cost
         else:
-            self._in_free_at = send_at = max(now, self._in_free_at) + cost
-        self._seq += 1
-        heapq.heappush(self._delayed, _Delayed(send_at, self._seq, [identity, *frames]))
+            self._throttle.schedule([identity, *frames], *link)
 
     def _flush_delayed(self) -> None:
-        now = time.monotonic()
-        while self._delayed and self._delayed[0].send_at <= now:
-            item = heapq.heappop(self._delayed)
-            self._send_now(item.frames[0], item.frames[1:])
+        for frames in [] if self._throttle is None else self._throttle.due():
+            self._send_now(frames[0], frames[1:])
 
     def _send_now(self, identity: bytes, frames: list[Any]) -> None:
         self.counters.bytes_out += sum(memoryview(f).nbytes for f in frames)
@@ -337,25 +346,36 @@ class KVTierServer:
             logger.warning("reply dropped: %s", exc)
 
 
+def _session_echo(header: dict[str, Any]) -> dict[str, Any]:
+    """The request's sid/seq for the reply (a client accepts replies to its session only)."""
+    return {k: header[k] for k in ("sid", "seq") if isinstance(header.get(k), (bytes, int))}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_arg_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
+        secret = resolve_secret(args.secret_file)
+        capacity = int(args.capacity_gb * (1 << 30))
+        # default: a put bigger than the whole budget would evict its own first chunks
+        max_message = max(capacity, 4 << 30) if args.max_message_mb is None \
+            else int(args.max_message_mb * (1 << 20))
         config = ServerConfig(
-            capacity_bytes=int(args.capacity_gb * (1 << 30)), host=args.host, port=args.port,
-            bandwidth_mb_s=args.bandwidth_mbps, secret=read_secret(args.secret_file),
-            max_frame_bytes=int(args.max_frame_mb * (1 << 20)),
+            capacity_bytes=capacity, secret=secret.value, host=args.host, port=args.port,
+            bandwidth_mb_s=args.bandwidth_mbps, max_frame_bytes=int(args.max_frame_mb * (1 << 20)),
+            max_frames=args.max_frames, max_message_bytes=max_message,
             fault_injection=args.fault_injection)
         server = KVTierServer(config)
-    except (ValueError, OSError, zmq.ZMQError) as exc:
+    except (ValueError, OSError, zmq.ZMQError) as exc:  # incl. a bad or unreadable secret
         logger.error("cannot start: %s", exc)
         return 2
     signal.signal(signal.SIGTERM, lambda *_: server.stop())
     signal.signal(signal.SIGINT, lambda *_: server.stop())
     print(f"vericache-tier listening on {server.endpoint}", flush=True)
-    logger.info("listening on %s capacity=%d B bandwidth=%s MB/s auth=%s", server.endpoint,
-                config.capacity_bytes, config.bandwidth_mb_s, config.secret is not None)
+    logger.info("listening on %s capacity=%d B bandwidth=%s MB/s secret from %s epoch %s",
+                server.endpoint, config.capacity_bytes, config.bandwidth_mb_s, secret.source,
+                server.epoch.hex())
     try:
         server.serve_forever()
     finally:

@@ -1,18 +1,19 @@
-"""ServerConfig: what the zmq KV server (``server.py``) runs with, and the command line and
-secret file / environment variable it is read from.
+"""ServerConfig: what the zmq KV server (``server.py``) runs with, and its command line.
 
-Kept apart from the server loop so the safety rules on a configuration (no non-loopback
-address without a shared secret, fault injection on loopback only) read in one place.
+Kept apart from the server loop so the safety rules on a configuration (a shared secret
+always, message limits, fault injection on loopback only) read in one place. Where the
+secret comes from: ``secret.py``.
 """
 
 from __future__ import annotations
 
 import argparse
 import ipaddress
-import os
 from dataclasses import dataclass
 
-SECRET_ENV = "VERICACHE_TIER_SECRET"
+from sglang_vericache.tier.auth import MAX_CLOCK_SKEW_S
+from sglang_vericache.tier.protocol import MAX_FRAMES
+from sglang_vericache.tier.secret import MIN_SECRET_BYTES, SECRET_ENV, SECRET_FILE_ENV
 
 
 def is_loopback(host: str) -> bool:
@@ -26,14 +27,21 @@ def is_loopback(host: str) -> bool:
 
 @dataclass(frozen=True, slots=True)
 class ServerConfig:
-    """bandwidth_mb_s: megabytes (10^6 B) per second, None = unthrottled. port 0 = any free."""
+    """capacity_bytes: the LRU byte budget. secret: the shared secret (>= 16 bytes; every
+    request must be MACed with it). bandwidth_mb_s: megabytes (10^6 B) per second, None =
+    unthrottled. port 0 = any free. max_frame_bytes / max_frames / max_message_bytes: the
+    per-frame, frame-count and per-message limits (``protocol.py``). max_clock_skew_s: how far
+    a request's timestamp may be from the server clock (``auth.py``)."""
 
     capacity_bytes: int
+    secret: bytes
     host: str = "127.0.0.1"
     port: int = 7300
     bandwidth_mb_s: float | None = None
-    secret: bytes | None = None
     max_frame_bytes: int = 1 << 30
+    max_frames: int = MAX_FRAMES
+    max_message_bytes: int = 4 << 30
+    max_clock_skew_s: float = MAX_CLOCK_SKEW_S
     fault_injection: bool = False
 
     def __post_init__(self) -> None:
@@ -43,30 +51,24 @@ class ServerConfig:
             raise ValueError(f"bad port {self.port}")
         if self.bandwidth_mb_s is not None and self.bandwidth_mb_s <= 0:
             raise ValueError("bandwidth must be > 0 MB/s")
-        if self.max_frame_bytes <= 0:
-            raise ValueError("max_frame_bytes must be > 0")
-        if self.secret is not None and len(self.secret) < 16:
-            raise ValueError("the shared secret must be at least 16 bytes")
-        if not is_loopback(self.host) and self.secret is None:
-            raise ValueError(f"refusing to bind non-loopback address {self.host!r} without a "
-                             f"shared secret (--secret-file or ${SECRET_ENV})")
+        if self.max_frame_bytes <= 0 or self.max_message_bytes <= 0:
+            raise ValueError("max_frame_bytes and max_message_bytes must be > 0")
+        if self.max_frames < 3:  # header + one payload frame + MAC
+            raise ValueError("max_frames must be >= 3")
+        if self.max_clock_skew_s <= 0:
+            raise ValueError("max_clock_skew_s must be > 0")
+        if not isinstance(self.secret, bytes) or len(self.secret) < MIN_SECRET_BYTES:
+            raise ValueError(f"the shared secret must be at least {MIN_SECRET_BYTES} bytes "
+                             f"(--secret-file or ${SECRET_ENV})")
         if self.fault_injection and not is_loopback(self.host):
             raise ValueError("--fault-injection is only allowed on a loopback address")
-
-
-def read_secret(path: str | None) -> bytes | None:
-    if path is not None:
-        with open(path, "rb") as f:
-            return f.read().strip()
-    env = os.environ.get(SECRET_ENV)
-    return env.encode() if env else None
 
 
 def build_arg_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m sglang_vericache.tier.server",
                                 description="VeriCache full-KV tier server (pyzmq ROUTER, LRU).")
     p.add_argument("--host", default="127.0.0.1",
-                   help="address to bind (default 127.0.0.1; non-loopback needs a secret)")
+                   help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=7300, help="TCP port (0 = pick a free one)")
     p.add_argument("--capacity-gb", type=float, required=True,
                    help="byte budget in GiB (2^30 B); least recently used chunks are evicted")
@@ -74,9 +76,16 @@ def build_arg_parser() -> argparse.ArgumentParser:
                    help="throttle to this many MEGABYTES (10^6 B) per second, not megabits; "
                         "emulates remote storage (default: unthrottled)")
     p.add_argument("--secret-file", default=None,
-                   help=f"file holding the shared secret (>= 16 bytes); default ${SECRET_ENV}")
+                   help=f"file holding the shared secret (>= 16 bytes, mode 0600); default "
+                        f"${SECRET_ENV}, else the file ${SECRET_FILE_ENV}, else "
+                        f"~/.cache/sglang_vericache/tier_secret (created on first start)")
     p.add_argument("--max-frame-mb", type=float, default=1024.0,
                    help="largest accepted frame in MiB; bigger ones disconnect the sender")
+    p.add_argument("--max-message-mb", type=float, default=None,
+                   help="largest accepted message (all frames) in MiB, refused unread "
+                        "(default: the capacity, at least 4 GiB)")
+    p.add_argument("--max-frames", type=int, default=MAX_FRAMES,
+                   help="most frames in one message; more are refused unread")
     p.add_argument("--fault-injection", action="store_true",
                    help="enable the test-only 'corrupt' op (loopback only)")
     p.add_argument("--log-level", default="INFO")

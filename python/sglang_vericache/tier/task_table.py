@@ -122,11 +122,11 @@ class TaskTableTier(FullKVTier, Generic[T]):
             self._counters[name] += n
 
     def _finish(self, task: T, status: TaskStatus, ok: Sequence[bool],
-                error: str | None = None, nbytes: int = 0) -> None:
+                error: str | None = None, nbytes: int = 0, epoch: bytes | None = None) -> None:
         """Publish a task's one result (later calls for the same task are ignored)."""
         if task.kind is not TaskKind.PUT:
             ok = prefix_closed(ok)
-        result = TaskResult(task.task_id, task.kind, status, tuple(ok), nbytes, error)
+        result = TaskResult(task.task_id, task.kind, status, tuple(ok), nbytes, error, epoch)
         with self._lock:
             if self._tasks.pop(task.task_id, None) is None:
                 return

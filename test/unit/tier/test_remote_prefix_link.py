@@ -5,11 +5,9 @@ from __future__ import annotations
 import time
 
 import torch
-
 from sglang_vericache.srt.remote_prefix import RemotePrefixLink
 from sglang_vericache.tier.client import ZmqTier
 from sglang_vericache.tier.host import HostTier
-
 from tier_testlib import TINY, ServerProcess
 
 C = TINY.chunk_tokens  # 8
@@ -87,3 +85,80 @@ def test_expected_wait_comes_from_the_measured_fetch_bandwidth() -> None:
     wait = link.expected_wait_s("second")
     assert wait is not None and wait >= 0.0
     assert abs(wait - 4 * TINY.chunk_nbytes(C) / link.fetch_bytes_per_s) < 1e-6
+
+
+def _wait_puts(link: RemotePrefixLink, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while link._puts:
+        assert time.monotonic() < deadline, "tier put never finished"
+        link.poll()
+        time.sleep(0.01)
+
+
+def test_restarted_kv_server_gets_the_chunks_again() -> None:
+    """Chunks remembered as stored are re-sent once the server's epoch says it restarted."""
+    server = ServerProcess()
+    tier = ZmqTier(server.endpoint, TINY, timeout_s=5.0, connect_timeout_s=2.0)
+    link = RemotePrefixLink(tier)
+    tokens, other = list(range(24)), list(range(1000, 1024))
+    read = lambda s, e: _sequence_kv(e)[..., s:e, :]
+    assert link.write_through(tokens, read) == 3
+    _wait_puts(link)
+    assert link.write_through(tokens, read) == 0  # remembered as stored
+    server.kill()
+    again = ServerProcess(port=server.port)  # empty: a new epoch
+    try:
+        # Any reply from the new server carries its epoch (here: another sequence's put).
+        assert link.write_through(other, read) == 3
+        _wait_puts(link)
+        assert link.write_through(tokens, read) == 3  # forgotten, so written again
+        _wait_puts(link)
+        assert again.stats()["entries"] == 6
+        assert _settle(link, "next-turn", tokens + [1], 0) == 3 * C  # and found again
+    finally:
+        link.close()
+        again.stop()
+        server.stop()
+
+
+def test_a_chunk_found_missing_is_written_again() -> None:
+    """Eviction (or anything) that loses a chunk: the lookup that misses it un-remembers it."""
+    link = RemotePrefixLink(HostTier(TINY, capacity_bytes=2 * TINY.chunk_nbytes(C)))
+    read = lambda s, e: _sequence_kv(e)[..., s:e, :]
+    tokens = list(range(16))
+    assert link.write_through(tokens, read) == 2
+    link.poll()
+    assert link.write_through(list(range(500, 516)), read) == 2  # evicts the first two
+    link.poll()
+    assert link.write_through(tokens, read) == 0  # the link does not know yet
+    assert _settle(link, "turn", tokens + [3], 0) == 0  # a miss ...
+    assert link.write_through(tokens, read) == 2  # ... which it remembers
+
+
+def test_new_model_identity_reopens_the_tier_with_new_keys() -> None:
+    """A weight update changes the geometry: old pending state is dropped, the tier is
+    reopened under the new keys and nothing stored under the old ones is a hit."""
+    import dataclasses
+
+    shared = HostTier(TINY, capacity_bytes=1 << 20)  # one store behind both identities
+    current = {"g": TINY}
+    opened: list = []
+
+    def reopen(g):
+        tier = HostTier(g, capacity_bytes=1 << 20)
+        tier._store = shared._store  # same storage, as a remote tier would be
+        opened.append(tier)
+        return tier
+
+    link = RemotePrefixLink(shared, lambda: current["g"], reopen)
+    tokens = list(range(24))
+    read = lambda s, e: _sequence_kv(e)[..., s:e, :]
+    assert link.write_through(tokens, read) == 3
+    assert _settle(link, "before", tokens + [1], 0) == 3 * C
+    link.probe("waiting", tokens + [2], 0)  # in flight when the weights change
+    current["g"] = dataclasses.replace(TINY, model_id="tiny-llama@v2")
+    assert link.probe("after", tokens + [1], 0) == 3 * C  # lookup of the new keys starts
+    assert len(opened) == 1 and link.geometry is current["g"] and "waiting" not in link.pending
+    assert _settle(link, "after", tokens + [1], 0) == 0  # the old model's KV is not a hit
+    assert link.write_through(tokens, read) == 3  # stored again under the new identity
+    assert _settle(link, "again", tokens + [1], 0) == 3 * C

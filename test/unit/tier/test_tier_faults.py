@@ -25,13 +25,13 @@ from sglang_vericache.tier.factory import TierOptions
 from sglang_vericache.tier.geometry import KVGeometry
 from sglang_vericache.tier.layout import alloc_chunks, join_chunks, split_chunks
 from sglang_vericache.tier.keys import ChunkKey, chunk_keys
+from sglang_vericache.tier.auth import seal
 from sglang_vericache.tier.protocol import (
-    MAX_KEYS_PER_REQUEST, PROTOCOL_VERSION, ChunkManifest, Op, seal, unpack_header,
+    MAX_KEYS_PER_REQUEST, PROTOCOL_VERSION, ChunkManifest, Op, unpack_header,
 )
+from sglang_vericache.tier.secret import resolve_secret
 from sglang_vericache.tier.server import ServerConfig
-from tier_testlib import TINY, Results, ServerProcess, free_port
-
-SECRET = b"correct horse battery staple"
+from tier_testlib import TINY, Results, ServerProcess, free_port, raw_request, signed
 
 
 @pytest.fixture(scope="module")
@@ -60,19 +60,6 @@ def fetch_ok(tier: ZmqTier, keys: list[ChunkKey], kv: torch.Tensor, res: Results
     dst = alloc_chunks(tier.geometry, kv.shape[3])
     result = res.wait(tier.submit_fetch(keys, dst))
     return result.all_ok and torch.equal(join_chunks(dst), kv)
-
-
-def raw_request(endpoint: str, frames: list[bytes], timeout_s: float = 5.0) -> dict:
-    ctx = zmq.Context.instance()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    try:
-        sock.connect(endpoint)
-        sock.send_multipart(frames)
-        assert sock.poll(int(timeout_s * 1000)), "server did not answer"
-        return unpack_header(sock.recv_multipart()[0])
-    finally:
-        sock.close()
 
 
 def test_server_killed_in_the_middle_of_a_fetch_then_restarted() -> None:
@@ -148,8 +135,8 @@ def test_corrupt_or_inconsistent_put_is_rejected(server: ServerProcess) -> None:
     new_key = chunk_keys(g, [9] * 8)[0]
     items = [{"key": new_key.digest, "m": wrong.to_wire()},      # checksum mismatch
              {"key": keys[0].digest, "m": wrong.to_wire()}]      # would overwrite good data
-    reply = raw_request(server.endpoint, seal({"v": PROTOCOL_VERSION, "id": 5, "op": "put",
-                                                 "items": items}, [payload, payload], None))
+    reply = raw_request(server.endpoint, signed({"v": PROTOCOL_VERSION, "id": 5, "op": "put",
+                                                 "items": items}, payload, payload))
     assert reply["ok"] and reply["status"] == ["corrupt", "corrupt"]
     assert server.stats()["corrupt_rejected"] == before["corrupt_rejected"] + 2
     assert res.wait(tier.submit_lookup([new_key])).ok == (False,)
@@ -195,9 +182,11 @@ def test_client_rejects_a_manifest_of_another_geometry() -> None:
             task = tier.submit_fetch([key], alloc_chunks(g, 8))
             assert rogue.poll(5000)
             ident, header = rogue.recv_multipart()[:2]
-            request_id = msgpack.unpackb(header)["id"]
-            rogue.send_multipart([ident, *seal({"v": 1, "id": request_id, "ok": True, "items": [
-                {"key": key.digest, "m": manifest.to_wire()}]}, [payload], None)])
+            request = msgpack.unpackb(header)
+            rogue.send_multipart([ident, *seal({  # a rogue that knows the secret, even
+                "v": PROTOCOL_VERSION, "id": request["id"], "sid": request["sid"], "ok": True,
+                "items": [{"key": key.digest, "m": manifest.to_wire()}]}, [payload],
+                resolve_secret().value)])
             result = res.wait(task)
             assert result.status is TaskStatus.DONE and result.ok == (False,)
         assert tier.stats()["geometry_mismatch"] == 2
@@ -267,22 +256,22 @@ def test_malformed_messages_get_error_replies_and_server_survives(server: Server
     before = server.stats()["bad_requests"]
     hdr = {"v": PROTOCOL_VERSION, "id": 9}
     ns = g.namespace()
-    bad_messages = [
+    bad_messages = [  # signed where the server would get as far as the MAC
         [os.urandom(64)],                                            # not msgpack
         [msgpack.packb([1, 2, 3])],                                  # not a map
         [msgpack.packb({**hdr, "v": 99, "op": "ping"})],             # wrong version
-        [msgpack.packb({**hdr, "op": "explode"})],                   # unknown op
-        [msgpack.packb({**hdr})],                                    # no op
-        [msgpack.packb({**hdr, "op": "put", "items": [{}]})],        # items without frames
-        [msgpack.packb({**hdr, "op": "put", "items": [{"key": b"k"}]}), b"x"],  # short key
-        [msgpack.packb({**hdr, "op": "put", "items": [{"key": bytes(32), "m": {}}]}), b"x"],
-        [msgpack.packb({**hdr, "op": "get", "keys": ["a"], "ns": ns})],          # bad keys
-        [msgpack.packb({**hdr, "op": "get", "keys": [bytes(32)], "ns": b"x"})],  # bad ns
-        [msgpack.packb({**hdr, "op": "exists", "ns": ns,
-                        "keys": [bytes(32)] * (MAX_KEYS_PER_REQUEST + 1)})],     # too many
-        [msgpack.packb({**hdr, "op": "ping"}), b"unexpected payload"],
-        [msgpack.packb({**hdr, "op": "ping", "pad": b"x" * (1 << 20)})],         # header > 1 MiB
-        [msgpack.packb({**hdr, "op": "ping", "auth": True}), b"mac"],            # no secret here
+        signed({**hdr, "op": "explode"}),                            # unknown op
+        signed({**hdr}),                                             # no op
+        signed({**hdr, "op": "put", "items": [{}]}),                 # items without frames
+        signed({**hdr, "op": "put", "items": [{"key": b"k"}]}, b"x"),  # short key
+        signed({**hdr, "op": "put", "items": [{"key": bytes(32), "m": {}}]}, b"x"),
+        signed({**hdr, "op": "get", "keys": ["a"], "ns": ns}),          # bad keys
+        signed({**hdr, "op": "get", "keys": [bytes(32)], "ns": b"x"}),  # bad ns
+        signed({**hdr, "op": "exists", "ns": ns,
+                "keys": [bytes(32)] * (MAX_KEYS_PER_REQUEST + 1)}),     # too many
+        signed({**hdr, "op": "ping"}, b"unexpected payload"),
+        [msgpack.packb({**hdr, "op": "ping", "pad": b"x" * (1 << 20)})],  # header > 1 MiB
+        [msgpack.packb({**hdr, "op": "ping"}), bytes(64)],                # unsigned
     ]
     for frames in bad_messages:
         reply = raw_request(server.endpoint, frames)
@@ -296,7 +285,7 @@ def test_malformed_messages_get_error_replies_and_server_survives(server: Server
     stats_sock.connect(server.endpoint)
 
     def dropped_peers() -> int:
-        stats_sock.send_multipart(seal({**hdr, "op": "stats"}, [], None))
+        stats_sock.send_multipart(signed({**hdr, "op": "stats"}))
         assert stats_sock.poll(5000)
         stats = unpack_header(stats_sock.recv_multipart()[0])["stats"]
         return stats["handshake_failures"] + stats["peer_disconnects"]
@@ -338,36 +327,15 @@ def test_oversized_frame_cuts_the_sender_off_only() -> None:
     assert proc.stop() == 0
 
 
-def test_shared_secret_required_when_configured() -> None:
-    proc = ServerProcess(env={"VERICACHE_TIER_SECRET": SECRET.decode()})
-    g = geometry("secret")
-    try:
-        for secret in (None, b"wrong secret of 16+ bytes"):
-            tier = open_tier(proc.spec, g, TierOptions(timeout_s=5, secret=secret))
-            res = Results(tier)
-            result = res.wait(tier.submit_lookup(chunk_keys(g, list(range(8)))))
-            assert result.status is TaskStatus.FAILED and "unauthorized" in (result.error or "")
-            assert tier.stats()["server_errors"] + tier.stats()["protocol_errors"] == 1
-            tier.close()
-        assert proc.stats(secret=SECRET)["unauthorized"] == 2
-        good = ZmqTier(proc.endpoint, g, timeout_s=5, secret=SECRET)
-        keys, kv, res = store_sequence(good, 16)
-        assert fetch_ok(good, keys, kv, res)
-        good.close()
-    finally:
-        assert proc.stop() == 0
-
-
-def test_non_loopback_bind_requires_a_secret() -> None:
-    proc = ServerProcess("--host", "0.0.0.0", expect_ready=False)
-    assert proc.proc.wait(timeout=10) == 2
-    assert "shared secret" in proc.logs()
-    ServerConfig(capacity_bytes=1 << 20, host="0.0.0.0", secret=b"s" * 16)  # allowed
+def test_server_config_needs_a_secret_and_keeps_fault_injection_on_loopback() -> None:
+    ServerConfig(capacity_bytes=1 << 20, secret=b"s" * 16, host="0.0.0.0")  # allowed
     with pytest.raises(ValueError, match="loopback"):
-        ServerConfig(capacity_bytes=1 << 20, host="10.0.0.1", secret=b"s" * 16,
+        ServerConfig(capacity_bytes=1 << 20, secret=b"s" * 16, host="10.0.0.1",
                      fault_injection=True)
     with pytest.raises(ValueError, match="16 bytes"):
         ServerConfig(capacity_bytes=1 << 20, secret=b"short")
+    with pytest.raises(ValueError, match="16 bytes"):
+        ServerConfig(capacity_bytes=1 << 20, secret=None)  # type: ignore[arg-type]
 
 
 def test_fault_injection_is_off_by_default_and_sigterm_is_clean() -> None:

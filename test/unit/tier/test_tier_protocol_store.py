@@ -8,9 +8,11 @@ import random
 import msgpack
 import pytest
 
+from sglang_vericache.tier.auth import (
+    ClientSession, RequestAuthenticator, compute_mac, mac_key, seal,
+)
 from sglang_vericache.tier.protocol import (
-    CHECKSUM_ALGO, PROTOCOL_VERSION, ChunkManifest, ErrorCode, ProtocolError, check_mac,
-    compute_mac, seal, unpack_header,
+    CHECKSUM_ALGO, PROTOCOL_VERSION, ChunkManifest, ErrorCode, ProtocolError, unpack_header,
 )
 from sglang_vericache.tier.store import Admission, LRUByteStore
 
@@ -55,22 +57,72 @@ def test_unpack_header_rejects_garbage() -> None:
     assert info.value.code is ErrorCode.VERSION
 
 
-def test_mac_seal_and_check() -> None:
-    frames = seal({"v": 1, "id": 1, "op": "put"}, [b"payload"], SECRET)
+def _unauthorized(fn, *args) -> str:
+    with pytest.raises(ProtocolError) as info:
+        fn(*args)
+    assert info.value.code is ErrorCode.UNAUTHORIZED
+    return str(info.value)
+
+
+def test_signed_request_is_accepted_once_and_tampering_is_refused() -> None:
+    client, server = ClientSession(SECRET), RequestAuthenticator(SECRET)
+    frames = client.sign({"v": PROTOCOL_VERSION, "id": 1, "op": "put"}, [b"payload"])
     header = unpack_header(frames[0])
-    check_mac(SECRET, header, frames, check_time=True)
-    for tampered in ([frames[0], b"payloaD", frames[2]],          # payload changed
-                     [frames[0], b"pay", b"load", frames[2]],      # frame boundary moved
-                     frames[:2]):                                  # mac missing
-        with pytest.raises(ProtocolError) as info:
-            check_mac(SECRET, header, tampered, check_time=True)
-        assert info.value.code is ErrorCode.UNAUTHORIZED
-    with pytest.raises(ProtocolError):
-        check_mac(b"another-secret-of-16b", header, frames, check_time=True)
-    unsigned = seal({"v": 1, "id": 1, "op": "put"}, [b"payload"], None)
-    with pytest.raises(ProtocolError):
-        check_mac(SECRET, unpack_header(unsigned[0]), unsigned, check_time=True)
-    assert compute_mac(SECRET, [b"ab", b"c"]) != compute_mac(SECRET, [b"a", b"bc"])
+    for tampered in ([frames[0], b"pay", b"load", frames[2]],      # frame boundary moved
+                     [frames[0], b"payload!", frames[2]],          # payload length changed
+                     [frames[0], frames[2]],                       # payload frame dropped
+                     frames[:2]):                                  # MAC missing
+        _unauthorized(server.check, header, tampered)
+    forged_header = [frames[0].replace(b"put", b"get"), b"payload", frames[2]]
+    _unauthorized(server.check, unpack_header(forged_header[0]), forged_header)
+    _unauthorized(RequestAuthenticator(b"another-secret-of-16b").check, header, frames)
+    server.check(header, frames)
+    assert "replayed" in _unauthorized(server.check, header, frames)  # the same message again
+    unsigned = [frames[0], b"payload"]
+    _unauthorized(server.check, header, unsigned)
+    assert compute_mac(mac_key(SECRET), [b"ab", b"c"]) != compute_mac(mac_key(SECRET),
+                                                                      [b"ab", b"", b"c"])
+
+
+def test_mac_reads_no_payload_byte() -> None:
+    """The MAC covers the header and frame lengths only: payload bytes are authenticated by
+    the manifest checksums inside the header (server before storing, client before use), so
+    authenticating a huge message costs nothing and a refused one is never hashed."""
+    client, server = ClientSession(SECRET), RequestAuthenticator(SECRET)
+    frames = client.sign({"v": PROTOCOL_VERSION, "id": 1, "op": "put"}, [b"x" * 1000])
+    same_length = [frames[0], b"y" * 1000, frames[2]]
+    server.check(unpack_header(frames[0]), same_length)  # caught by the manifest instead
+    m = ChunkManifest.of(NS, 8, 4, memoryview(b"x" * 1000))
+    assert not m.verify(memoryview(b"y" * 1000))
+
+
+def test_sequence_must_grow_per_session_and_stale_timestamps_are_refused() -> None:
+    client, server = ClientSession(SECRET), RequestAuthenticator(SECRET, max_skew_s=5.0)
+    first = client.sign({"v": PROTOCOL_VERSION, "id": 1, "op": "ping"}, [])
+    second = client.sign({"v": PROTOCOL_VERSION, "id": 2, "op": "ping"}, [])
+    server.check(unpack_header(second[0]), second)
+    assert "replayed" in _unauthorized(server.check, unpack_header(first[0]), first)
+    other = ClientSession(SECRET)  # another session has its own sequence
+    third = other.sign({"v": PROTOCOL_VERSION, "id": 1, "op": "ping"}, [])
+    server.check(unpack_header(third[0]), third)
+    stale_header = {"v": PROTOCOL_VERSION, "id": 3, "op": "ping", "ts": 1.0,
+                    "sid": bytes(16), "seq": 1}
+    stale = seal(stale_header, [], SECRET)
+    assert "timestamp" in _unauthorized(server.check, unpack_header(stale[0]), stale)
+    assert len(server) == 2
+
+
+def test_reply_must_be_signed_for_this_session() -> None:
+    client = ClientSession(SECRET)
+    good = seal({"v": PROTOCOL_VERSION, "id": 1, "ok": True, "sid": client.sid}, [b"kv"], SECRET)
+    client.check_reply(unpack_header(good[0]), good)
+    other = seal({"v": PROTOCOL_VERSION, "id": 1, "ok": True, "sid": bytes(16)}, [], SECRET)
+    _unauthorized(client.check_reply, unpack_header(other[0]), other)
+    forged = seal({"v": PROTOCOL_VERSION, "id": 1, "ok": True, "sid": client.sid}, [b"kv"],
+                  b"not the secret, 16+ bytes")
+    _unauthorized(client.check_reply, unpack_header(forged[0]), forged)
+    long_secret = os.urandom(100)  # > 64 bytes: digested, not truncated
+    assert mac_key(long_secret) != mac_key(long_secret[:64] + b"x" * 36)
 
 
 def test_lru_evicts_oldest_and_refuses_oversize_without_evicting() -> None:

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
+import zmq
+from sglang_vericache.tier.auth import ClientSession
 from sglang_vericache.tier.base import FullKVTier, TaskId, TaskResult
 from sglang_vericache.tier.geometry import KVGeometry
 from sglang_vericache.tier.process import PACKAGE_ROOT, ServerProcess, free_port  # noqa: F401
+from sglang_vericache.tier.protocol import unpack_header
+from sglang_vericache.tier.secret import resolve_secret
 
 TINY = KVGeometry("tiny-llama", num_layers=2, num_kv_heads=2, head_dim=4, dtype="float32",
                   chunk_tokens=8)
@@ -37,3 +41,23 @@ class Results:
 
     def wait_all(self, task_ids: Sequence[TaskId], timeout_s: float = 10.0) -> list[TaskResult]:
         return [self.wait(t, timeout_s) for t in task_ids]
+
+
+def signed(header: dict, *payload: bytes, secret: bytes | None = None) -> list:
+    """A request signed like a client's (a fresh session; the tests' shared secret unless
+    ``secret`` is given)."""
+    return ClientSession(secret or resolve_secret().value).sign(header, list(payload))
+
+
+def raw_request(endpoint: str, frames: list, timeout_s: float = 5.0) -> dict:
+    """Send ``frames`` as they are on a fresh DEALER; the reply header, NOT authenticated
+    (a forger cannot check the server's MAC either)."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(endpoint)
+        sock.send_multipart(frames)
+        assert sock.poll(int(timeout_s * 1000)), "server did not answer"
+        return unpack_header(sock.recv_multipart()[0])
+    finally:
+        sock.close()
