@@ -145,6 +145,21 @@ def test_grammar_constrained_greedy_matches(plain_server, vericache_server) -> N
         assert got["output_ids"] == ref["output_ids"]
 
 
+def test_grammar_termination_under_ignore_eos_finishes_like_plain(
+    plain_server, vericache_server
+) -> None:
+    """A grammar that ends on an EOS that ``ignore_eos`` does not stop at: plain SGLang sees the
+    termination a step late and emits one more token; so must ``--vericache``
+    (``srt/grammar_finish.py``)."""
+    city = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    for extra in ({"regex": r"(yes|no)\."}, {"json_schema": json.dumps(city)}):
+        sampling = {**GREEDY, "max_new_tokens": 40, "ignore_eos": True, **extra}
+        ref, got = both(plain_server, vericache_server, "Is Paris in France? Answer:", sampling)
+        assert len(ref["output_ids"]) < 40, "the grammar must end the request, not the length"
+        assert got["output_ids"] == ref["output_ids"]
+        assert got["meta_info"]["finish_reason"] == ref["meta_info"]["finish_reason"]
+
+
 def tracked_when_idle(server, timeout: float = 60.0) -> float:
     """``vericache:tracked_requests`` once the server has no running request."""
     deadline = time.monotonic() + timeout

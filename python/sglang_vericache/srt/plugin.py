@@ -23,7 +23,8 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from sglang_vericache.config import (
     VeriCacheConfig,
@@ -154,6 +155,8 @@ def register() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     from sglang_vericache.srt.admission import register_admission_hook
+    from sglang_vericache.srt.grammar_finish import register_grammar_finish_hooks
+    from sglang_vericache.srt.model_identity import register_weight_version_hooks
     from sglang_vericache.srt.patches import register_patches
     from sglang_vericache.srt.penalties import register_penalty_hook
     from sglang_vericache.srt.platform import register_pool_sizing_hook
@@ -177,6 +180,8 @@ def register() -> None:
     register_patches()
     register_admission_hook()
     register_penalty_hook()
+    register_grammar_finish_hooks()
     register_validation_hooks()
     register_pool_sizing_hook()
+    register_weight_version_hooks()
     _registered = True
