@@ -1,7 +1,8 @@
 """Verify-window logic: acceptance, per-request state machine, draft-length
 policy, staggered verification with the two resource rings, and stats.
 
-Pure python + torch (torch only in ``accept``); no sglang import. The SGLang
+Pure python + torch (torch only in ``accept``, ``spec_sampling``, ``sampling_probs``, ``rng``);
+no sglang import. The SGLang
 spec worker (``sglang_vericache.srt.spec_worker``) drives these each step
 (``test/unit/verify/test_verify_loop.py`` runs exactly this sequence)::
 
@@ -44,6 +45,17 @@ from sglang_vericache.verify.rings import (
     TransferDemand,
     VerifyRings,
 )
+from sglang_vericache.verify.rng import Draw, Randomness, RowSeeds, seeded_uniforms
+from sglang_vericache.verify.sampling_probs import TOP_K_ALL, RowSampling, process_logits
+from sglang_vericache.verify.spec_sampling import (
+    AcceptDraws,
+    acceptance_probability,
+    draw_accept_uniforms,
+    residual_distribution,
+    sample_drafts,
+    sample_from,
+    speculative_accept,
+)
 from sglang_vericache.verify.stagger import (
     StaggerConfig,
     StaggerScheduler,
@@ -61,6 +73,7 @@ from sglang_vericache.verify.window import FetchState, IllegalTransition, Phase,
 
 __all__ = [
     "ACCEPT_LEN_BUCKETS",
+    "AcceptDraws",
     "AcceptResult",
     "AcceptanceConfig",
     "AcceptanceEstimate",
@@ -69,16 +82,21 @@ __all__ = [
     "DraftCosts",
     "DraftLengthPolicy",
     "DraftQuery",
+    "Draw",
     "FetchState",
     "FixedDraftLength",
     "IllegalTransition",
     "Phase",
+    "Randomness",
     "Reservation",
     "RingConfig",
+    "RowSampling",
+    "RowSeeds",
     "StaggerConfig",
     "StaggerScheduler",
     "StepPlan",
     "StepRing",
+    "TOP_K_ALL",
     "TransferDemand",
     "VeriCacheMetrics",
     "VeriCacheStats",
@@ -86,9 +104,17 @@ __all__ = [
     "VerifyRings",
     "VerifyWindow",
     "WindowPlan",
+    "acceptance_probability",
     "clip_draft_lens_at_stop",
+    "draw_accept_uniforms",
     "expected_committed",
     "greedy_accept",
     "policy_for",
+    "process_logits",
+    "residual_distribution",
+    "sample_drafts",
+    "sample_from",
+    "seeded_uniforms",
+    "speculative_accept",
     "truncate_committed",
 ]
