@@ -120,7 +120,7 @@ def test_default_compressor_is_identical_and_accepts_long_drafts(
     # int4 drafts of a 135M model survive most verifies (measured ~0.95 per token).
     assert out["meta_info"]["spec_accept_length"] > 2.0, out["meta_info"]
     stats = out["meta_info"]["vericache"]
-    assert stats["mode"] == "vericache" and stats["verify_steps"] >= 1
+    assert stats["mode"] == "greedy" and stats["verify_steps"] >= 1
     assert stats["committed"] == stats["accepted"] + stats["verify_steps"]
     assert stats["mean_accept_len"] > 2.0
 
@@ -193,13 +193,20 @@ def test_streamed_chat_matches_plain(kivi_server, plain_server) -> None:
     assert _stream_chat(kivi_server.url, question) == _stream_chat(plain_server.url, question)
 
 
-def test_sampled_request_is_served_without_drafting(kivi_server) -> None:
-    out = http_json(kivi_server.url + "/generate", {
-        "text": "Once upon a time", "sampling_params": {"temperature": 0.8, "max_new_tokens": 12},
-    })  # fmt: skip
+def test_sampled_request_drafts_and_penalized_request_is_plain(kivi_server) -> None:
+    """Sampling alone drafts (speculative sampling); penalties keep a row plain."""
+    sampled = {"temperature": 0.8, "max_new_tokens": 12, "ignore_eos": True}
+    out = http_json(kivi_server.url + "/generate", {"text": "Once upon a time",
+                                                    "sampling_params": sampled})  # fmt: skip
     assert out["meta_info"]["completion_tokens"] == 12
+    stats = out["meta_info"]["vericache"]
+    assert stats["mode"] == "sampled" and stats["verify_steps"] >= 1 and stats["drafted"] > 0
+    assert 0.0 <= stats["accept_rate"] <= 1.0 and stats["plain_reason"] == ""
+    penalized = {**sampled, "frequency_penalty": 0.5}
+    out = http_json(kivi_server.url + "/generate", {"text": "Once upon a time",
+                                                    "sampling_params": penalized})  # fmt: skip
     stats = out["meta_info"]["vericache"]  # plain decoding, never a lossy token
-    assert stats["mode"] == "plain" and "temperature" in stats["plain_reason"]
+    assert stats["mode"] == "plain" and "penalties" in stats["plain_reason"]
     assert stats["drafted"] == 0 and stats["verify_steps"] == 0
 
 

@@ -93,19 +93,40 @@ def _req(**sampling):
 
 
 @pytest.mark.parametrize(
-    "sampling, reason",
+    "sampling, mode, reason",
     [
-        ({"temperature": 0}, None),
-        ({"temperature": 0.7}, "sampling"),
-        ({"temperature": 0, "repetition_penalty": 1.2}, "penalties"),
-        ({"temperature": 0, "min_new_tokens": 4}, "logit processing"),
+        ({"temperature": 0}, "greedy", None),
+        ({"temperature": 0.7, "top_k": 1}, "greedy", None),  # SGLang takes the argmax too
+        ({"temperature": 0.7}, "sampled", None),
+        ({"temperature": 1.0, "top_p": 0.9}, "sampled", None),
+        ({"temperature": 0.5, "top_k": 20, "min_p": 0.05}, "sampled", None),
+        ({"temperature": 0, "repetition_penalty": 1.2}, "plain", "penalties"),
+        ({"temperature": 0.7, "frequency_penalty": 0.5}, "plain", "penalties"),
+        ({"temperature": 0.7, "logit_bias": {"5": 2.0}}, "plain", "logit processing"),
+        ({"temperature": 0, "min_new_tokens": 4}, "plain", "logit processing"),
     ],
 )
-def test_only_plain_greedy_requests_are_drafted(sampling: dict, reason: str | None) -> None:
-    from sglang_vericache.srt.eligibility import plain_reason
+def test_each_row_decodes_greedy_sampled_or_plain(sampling: dict, mode: str,
+                                                  reason: str | None) -> None:  # fmt: skip
+    from sglang_vericache.srt.eligibility import decode_mode, plain_reason
 
-    got = plain_reason(_req(**sampling))
+    req = _req(**sampling)
+    got = plain_reason(req)
     assert (got is None) if reason is None else (reason in got)
+    assert decode_mode(req).value == mode
+
+
+def test_grammar_rows_stay_plain_and_step_rows_split_a_batch() -> None:
+    from sglang_vericache.srt.eligibility import StepRows
+
+    grammar = _req(temperature=0.7)
+    grammar.grammar = object()
+    batch = [_req(temperature=0), grammar, _req(temperature=0.7), _req(presence_penalty=0.5)]
+    step = StepRows.of(batch)
+    assert (step.drafted, step.sampled, step.plain) == ([0, 2], [2], [1, 3])
+    assert StepRows.of(batch, drafting=False).plain == [0, 1, 2, 3]
+    batch[0].return_hidden_states = True
+    assert StepRows.of(batch).drafted == []
 
 
 def test_logprob_requests_are_drafted_and_hidden_states_make_the_step_plain() -> None:

@@ -1,24 +1,37 @@
-"""Which rows VeriCache drafts, and which requests make a whole step plain.
+"""How VeriCache decodes each row (``DecodeMode``), and which requests make a whole step plain.
 
-A row is drafted when its next tokens depend only on the full-KV logits' argmax: then drafting
-from compressed KV and committing the verify's argmax is exactly greedy decoding. Every other
-row of a step still gets one exact token from SGLang's sampler in the same step
-(``srt/row_sampling.py``): sampling, penalties, logit processing and grammars need the sampler's
-own logits pipeline, and some of their state (penalty counts, the grammar matcher) advances one
-token per step in SGLang 0.5.23. Logprobs are not a reason: the verify computes full-KV logits
-at every committed position and they are served from there.
+The one place that decides a row's mode::
+
+    GREEDY   top_k <= 1 (temperature 0), nothing below applies: drafts are accepted while they
+             equal the full-KV argmax (``verify.greedy_accept``), token-identical to plain greedy
+    SAMPLED  temperature / top-p / top-k / min-p, nothing below applies: drafts are sampled from
+             the compressed-KV distribution q and accepted by speculative sampling
+             (``verify.speculative_accept``, ``srt/row_acceptance.py``), identical in
+             distribution to plain sampling
+    PLAIN    penalties, logit bias, ``min_new_tokens``, a custom logit processor or a grammar:
+             no drafts; the row takes one exact token from SGLang's sampler in the same verify
+             (``srt/row_sampling.py``)
+
+Why those stay plain: their logits depend on state that SGLang 0.5.23 advances one token per step
+(penalty counts, the grammar matcher, ``min_new_tokens``' length) or on code we cannot run on a
+draft chain (a custom processor), so the q and p of a draft chain would need that state advanced
+along the chain and rolled back. Temperature, top-p/top-k/min-p depend on the logits alone, and
+``verify/sampling_probs.py`` rebuilds SGLang's sampling distribution from them exactly. Logprobs
+are not a reason: the verify computes full-KV logits at every committed position and they are
+served from there.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
+
+from sglang_vericache.verify.stats import DecodeMode
 
 
 def plain_reason(req: Any) -> str | None:
-    """Why ``req``'s rows cannot be drafted greedily (None: they can)."""
+    """Why ``req``'s rows are not drafted at all (None: drafted, greedy or sampled)."""
     sp = req.sampling_params
-    if sp.top_k != 1:
-        return "sampling (temperature > 0)"
     if sp.frequency_penalty or sp.presence_penalty or sp.repetition_penalty != 1.0:
         return "penalties"
     if sp.min_new_tokens or sp.logit_bias or getattr(req, "custom_logit_processor", None):
@@ -26,6 +39,14 @@ def plain_reason(req: Any) -> str | None:
     if getattr(req, "grammar", None) is not None:
         return "constrained decoding"
     return None
+
+
+def decode_mode(req: Any) -> DecodeMode:
+    """``req``'s mode (see the module doc). SGLang normalises temperature 0 to top_k 1, and
+    treats every row with ``top_k <= 1`` as greedy (``SamplingBatchInfo.is_all_greedy``)."""
+    if plain_reason(req) is not None:
+        return DecodeMode.PLAIN
+    return DecodeMode.GREEDY if req.sampling_params.top_k <= 1 else DecodeMode.SAMPLED
 
 
 def whole_step_reason(req: Any) -> str | None:
@@ -40,3 +61,29 @@ def whole_step_reason(req: Any) -> str | None:
     if getattr(req, "return_sampling_mask", False):
         return "sampling mask requested"
     return None
+
+
+@dataclass(frozen=True)
+class StepRows:
+    """One decode step's batch rows by how they decode (indices into ``batch.reqs``, ascending).
+
+    drafted: GREEDY and SAMPLED rows (drafted, verified); sampled: the SAMPLED ones among them;
+    plain: every other row (one token from SGLang's sampler in the same step).
+    """
+
+    drafted: list[int]
+    sampled: list[int]
+    plain: list[int]
+
+    @classmethod
+    def of(cls, reqs: list[Any], *, drafting: bool = True) -> StepRows:
+        """Rows of a decode batch; every row is plain when ``drafting`` is off (offload-only) or
+        a request needs the whole step plain (``whole_step_reason``)."""
+        if not drafting or any(whole_step_reason(r) is not None for r in reqs):
+            return cls(drafted=[], sampled=[], plain=list(range(len(reqs))))
+        modes = [decode_mode(r) for r in reqs]
+        return cls(
+            drafted=[i for i, m in enumerate(modes) if m.drafted],
+            sampled=[i for i, m in enumerate(modes) if m is DecodeMode.SAMPLED],
+            plain=[i for i, m in enumerate(modes) if not m.drafted],
+        )  # fmt: skip

@@ -1,18 +1,49 @@
-"""VeriCache's Prometheus metrics (``--enable-metrics``), next to SGLang's on ``/metrics``.
+"""VeriCache's observability: ``meta_info["vericache"]`` per request, and Prometheus metrics
+(``--enable-metrics``) next to SGLang's on ``/metrics``.
 
-Created in the scheduler process after SGLang has set ``PROMETHEUS_MULTIPROC_DIR``, so the
-HTTP server's collector aggregates them like its own ``sglang:*`` series.
+The exporter is created in the scheduler process after SGLang has set
+``PROMETHEUS_MULTIPROC_DIR``, so the HTTP server's collector aggregates it like its own
+``sglang:*`` series.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from sglang_vericache.verify.stats import ACCEPT_LEN_BUCKETS, DecodeMode, VerifyRecord
+from sglang_vericache.verify.stats import (
+    ACCEPT_LEN_BUCKETS,
+    DecodeMode,
+    VeriCacheStats,
+    VerifyRecord,
+)
+
+
+def request_meta_info(stats: VeriCacheStats | None, state: Any, span: Any,
+                      ahead_used: tuple[int, int] | list[int]) -> dict[str, Any]:  # fmt: skip
+    """``meta_info["vericache"]``: the request's counters plus where its KV lives now.
+
+    stats: the request's counters (None while its prompt is still in prefill); ``mode`` says
+        greedy / sampled / plain (then ``plain_reason`` says why), ``accept_rate`` and
+        ``mean_accept_len`` its acceptance. state: its ``RequestDraftState`` or None; span: its
+        offload ledger entry or None; ahead_used: drafts made while its prefix was fetched, and
+        how many of them went to verify.
+    """
+    info = (stats or VeriCacheStats.plain("prompt still in prefill")).to_meta_info()
+    info["compressed_kv_bytes"] = 0 if state is None else state.nbytes
+    info["host_kv_tokens"] = 0 if span is None else span.host.length
+    info["reserved_slots"] = 0 if span is None else int(span.reserved.numel())
+    made, verified = ahead_used
+    info["drafted_while_fetching"], info["drafted_while_fetching_verified"] = made, verified
+    return info
 
 
 class VeriCacheExporter:
-    """Counters, the accepted-length histogram and KV-placement gauges (labels: model_name)."""
+    """Counters, the accepted-length histogram and KV-placement gauges (labels: model_name).
+
+    Verification series also carry ``mode`` (``greedy`` or ``sampled``, ``DecodeMode``): the two
+    accept differently (argmax match vs. the min(1, p/q) coin), so their acceptance is compared
+    per mode; summing over ``mode`` gives the server totals.
+    """
 
     def __init__(self, model_name: str) -> None:
         from prometheus_client import Counter, Gauge, Histogram
@@ -23,17 +54,20 @@ class VeriCacheExporter:
         def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Any:
             return Counter(f"vericache:{name}", doc, labelnames=names + list(extra))
 
-        self._drafted = counter("drafted_tokens", "Tokens drafted from the compressed KV.")
-        self._accepted = counter("accepted_tokens", "Drafted tokens the full-KV verify accepted.")
-        self._committed = counter("committed_tokens", "Tokens committed by verifications.")
-        self._verifies = counter("verify_steps", "Full-KV verifications (one per request).")
+        mode = ("mode",)
+        self._drafted = counter("drafted_tokens", "Tokens drafted from the compressed KV.", mode)
+        self._accepted = counter(
+            "accepted_tokens", "Drafted tokens the full-KV verify accepted.", mode
+        )  # fmt: skip
+        self._committed = counter("committed_tokens", "Tokens committed by verifications.", mode)
+        self._verifies = counter("verify_steps", "Full-KV verifications (one per request).", mode)
         self._bytes = counter("full_kv_bytes_fetched", "Full-KV bytes brought to the device.")
         self._wait = counter("full_kv_wait_seconds", "Time drafts waited for the full KV.")
         self._failures = counter("fetch_failures", "Failed full-KV transfers (recomputed).")
         self._requests = counter("requests", "Requests by decode mode.", ("mode",))
         self._accept_len = Histogram(
-            "vericache:accept_length", "Tokens committed per verification.",
-            labelnames=names, buckets=[float(b) for b in ACCEPT_LEN_BUCKETS],
+            "vericache:accept_length", "Tokens committed per verification, by decode mode.",
+            labelnames=names + list(mode), buckets=[float(b) for b in ACCEPT_LEN_BUCKETS],
         )  # fmt: skip
         self._host_tokens = Gauge(
             "vericache:host_kv_tokens", "Running requests' full-KV tokens in host memory.",
@@ -50,15 +84,16 @@ class VeriCacheExporter:
         )  # fmt: skip
         self._labels = labels
 
-    def observe_verify(self, rec: VerifyRecord) -> None:
-        lb = self._labels
-        self._drafted.labels(**lb).inc(rec.drafted)
-        self._accepted.labels(**lb).inc(rec.accepted)
-        self._committed.labels(**lb).inc(rec.committed)
-        self._verifies.labels(**lb).inc()
+    def observe_verify(self, rec: VerifyRecord, mode: DecodeMode) -> None:
+        """One verification of a drafted (greedy or sampled) request."""
+        lb, by_mode = self._labels, {**self._labels, "mode": mode.value}
+        self._drafted.labels(**by_mode).inc(rec.drafted)
+        self._accepted.labels(**by_mode).inc(rec.accepted)
+        self._committed.labels(**by_mode).inc(rec.committed)
+        self._verifies.labels(**by_mode).inc()
         self._bytes.labels(**lb).inc(rec.bytes_fetched)
         self._wait.labels(**lb).inc(rec.wait_full_s)
-        self._accept_len.labels(**lb).observe(rec.committed)
+        self._accept_len.labels(**by_mode).observe(rec.committed)
 
     def observe_fetch_failure(self) -> None:
         self._failures.labels(**self._labels).inc()

@@ -1,23 +1,28 @@
 """Exact tokens and logprobs from a verify forward, for every row of a mixed step.
 
-A VeriCache step over a batch drafts the rows it can (greedy, no logit processing) and verifies
-every row in one TARGET_VERIFY forward of width W. Rows it cannot draft (sampling, penalties,
-grammars, ``min_new_tokens``, ...) carry no drafts; the verify's first column gives them the
-full-KV logits at their next position, which is exactly the distribution a plain decode step
-would sample from. They take one token from SGLang's own sampler there, so temperature, top-p/k,
-min-p, penalties, logit bias, grammar masks and ``sampling_seed`` behave as without
+A VeriCache step over a batch drafts the rows it can (greedy or sampled without logit
+processing: ``srt/eligibility.py``) and verifies every row in one TARGET_VERIFY forward of width
+W. Rows it cannot draft (penalties, grammars, ``min_new_tokens``, ...) carry no drafts; the
+verify's first column gives them the full-KV logits at their next position, which is exactly the
+distribution a plain decode step would sample from. They take one token from SGLang's own sampler
+there, so penalties, logit bias, grammar masks and ``sampling_seed`` behave as without
 ``--vericache``::
 
     verify logits  [bs * W, V]        row i, column j: the full-KV distribution after
                                       position base_i + j
-    drafted row i  commits argmax at columns 0 .. accepted_i   (``verify.greedy_accept``)
+    greedy row i   commits argmax at columns 0 .. accepted_i   (``verify.greedy_accept``)
+    sampled row i  accepted drafts, then a residual/bonus sample (``srt/row_acceptance.py``)
     plain row i    commits SGLang's sample at column 0         (``sample_first_column``)
 
 Logprobs go back in the layout SGLang's spec result path reads (``_apply_decode_logprobs``):
 ``next_token_logprobs`` [bs, W] and the top / token-id lists flat, entry ``i * W + j`` for row
 i's j-th committed token. Drafted rows get them from the verify logits, as SGLang's own spec
-workers do (``compute_spec_logprobs``); plain rows' first entry is the sampler's, so their values
-include penalties and grammar masks exactly as plain decoding reports them.
+workers do (``compute_spec_logprobs``): ``log_softmax(logits / temperature)`` when the batch is
+not all greedy, which is what plain SGLang's sampler reports for a sampled row (``log(probs)``
+of the temperature-scaled softmax, before top-p/top-k/min-p filtering; raw ``log_softmax`` with
+``SGLANG_RETURN_ORIGINAL_LOGPROB``, which ``compute_spec_logprobs`` honours too). Plain rows'
+first entry is the sampler's, so their values include penalties and grammar masks exactly as
+plain decoding reports them.
 
 ``sample_first_column`` calls the model runner's ``_preprocess_logits`` (SGLang 0.5.23): the one
 place that applies penalties, logit bias and grammar masks before its sampler, and it has no
@@ -31,6 +36,31 @@ from typing import Any
 import torch
 from sglang.srt.layers.logits_processor import LogitsProcessorOutput
 from sglang.srt.layers.logprob_processor import compute_spec_logprobs
+
+from sglang_vericache.srt.row_acceptance import SampledDrafts, accept_step
+from sglang_vericache.verify.accept import AcceptResult
+
+
+def commit_verify(model_runner: Any, batch: Any, verify_out: LogitsProcessorOutput,
+                  rows: torch.Tensor, draft_lens: torch.Tensor, sampled: SampledDrafts | None,
+                  plain_rows: list[int], positions: torch.Tensor) -> AcceptResult:  # fmt: skip
+    """Every row's committed tokens from one verify, and their logprobs when asked.
+
+    rows: [bs, W] int64 verify inputs; draft_lens: [bs] int32 (0 for plain rows); sampled: the
+    step's sampled rows or None; plain_rows: rows that take SGLang's sample at column 0;
+    positions: [bs] int64 positions of the last committed tokens.
+    Returns the merged ``AcceptResult``; its ``committed`` [bs, W] holds plain rows' sample at
+    column 0. ``verify_out.next_token_logits`` is read, never modified.
+    """
+    logits = verify_out.next_token_logits
+    accepted = accept_step(rows, logits, draft_lens, sampled)
+    first = None
+    if plain_rows:
+        tokens, first = sample_first_column(model_runner, batch, logits, rows.shape[1], positions)
+        accepted.committed[plain_rows, 0] = tokens[plain_rows]
+    if batch.return_logprob:
+        fill_spec_logprobs(batch, verify_out, accepted.committed, first, plain_rows)
+    return accepted
 
 
 def sample_first_column(

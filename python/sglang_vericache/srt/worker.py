@@ -6,19 +6,21 @@ gets every extend (prefill) and decode batch. Per decode step and request::
     last committed token t0 (no KV yet) at position p = committed KV length
     draft:   x DECODE forwards, attention over the compressed view + the draft chain -> d1..dx
     verify:  one TARGET_VERIFY forward of [t0, d1..dx] at positions p..p+x over the full KV
-    commit:  longest prefix of d matching the verifier's argmax + its correction/bonus token;
+    commit:  greedy rows: longest prefix of d matching the verifier's argmax + its correction/
+             bonus token; sampled rows: speculative sampling (``srt/row_acceptance.py``);
              positions p..p+n hold exact KV (written by the verify), appended to the compressed
-             cache; drafts past the first mismatch are rolled back (their slots are rewritten
+             cache; drafts past the first rejection are rolled back (their slots are rewritten
              by the next step)
     offload: the request's committed full KV moves to host memory (after prefill, then every
              TAIL_CHUNK tokens) and its pool slots go back to the allocator; only the
              compressed KV's share stays reserved in the pool (``srt/offload.py``)
 
-Only tokens the full-KV verify produced are ever committed, so greedy output equals plain
-decoding. Rows that cannot be drafted greedily (temperature > 0, penalties, grammar, ...:
-``srt/eligibility.py``) ride in the same verify with no drafts and take one token from SGLang's
-sampler at its first column (``srt/row_sampling.py``); a batch with no drafted row runs SGLang's
-own one-token decode forward. Logprobs of every committed token come from the verify logits.
+Only tokens the full-KV verify decided are ever committed, so greedy output equals plain
+decoding and sampled output (temperature, top-p/k, min-p) is distributed as plain sampling.
+Rows that are not drafted (penalties, grammar, ...: ``srt/eligibility.py``) ride in the same
+verify with no drafts and take one token from SGLang's sampler at its first column
+(``srt/row_sampling.py``); a batch with no drafted row runs SGLang's own one-token decode
+forward. Logprobs of every committed token come from the verify logits.
 """
 
 from __future__ import annotations
@@ -47,12 +49,14 @@ from sglang_vericache.srt.batch_inputs import (
 from sglang_vericache.srt.draft_ahead import DraftAhead, draft_ahead_for
 from sglang_vericache.srt.draft_length import DraftLengthController
 from sglang_vericache.srt.draft_state import RequestDraftState
-from sglang_vericache.srt.eligibility import plain_reason, whole_step_reason
+from sglang_vericache.srt.eligibility import StepRows, decode_mode, plain_reason, whole_step_reason
+from sglang_vericache.srt.metrics import VeriCacheExporter, request_meta_info
 from sglang_vericache.srt.offloader import PoolOffloader
 from sglang_vericache.srt.patches import publish_meta_info
 from sglang_vericache.srt.plugin import vericache_config
-from sglang_vericache.srt.row_sampling import fill_spec_logprobs, sample_first_column
-from sglang_vericache.verify import VeriCacheStats, VerifyRecord, greedy_accept
+from sglang_vericache.srt.row_acceptance import SampledDrafts
+from sglang_vericache.srt.row_sampling import commit_verify
+from sglang_vericache.verify import VeriCacheStats, VerifyRecord
 from sglang_vericache.verify.stats import DecodeMode
 
 logger = logging.getLogger(__name__)
@@ -87,10 +91,12 @@ class VeriCacheWorker(BaseSpecWorker):
             None if self.offload_only else self.config.draft_len,
             self.speculative_num_draft_tokens - 1,
         )
+        # Draws of sampled rows without a sampling_seed (seeded rows hash their own seed), seeded
+        # like SGLang's sampler: --random-seed as the target worker resolved it.
+        self.generator = torch.Generator(device=self.device)
+        self.generator.manual_seed(int(target_worker.random_seed))
         self.metrics = None
         if server_args.enable_metrics:
-            from sglang_vericache.srt.metrics import VeriCacheExporter
-
             self.metrics = VeriCacheExporter(server_args.served_model_name or "default")
         logger.info(
             "VeriCache worker: compressor %s, verify width %d",
@@ -139,24 +145,20 @@ class VeriCacheWorker(BaseSpecWorker):
 
     def forward_batch_generation(self, batch, on_publish=None, pp_proxy_tensors=None):
         self._forget_finished(batch)
-        drafted = [] if batch.forward_mode.is_extend() else self._drafted_rows(batch)
-        if batch.forward_mode.is_extend():
+        # The rows this step drafts; the others take one exact token (``srt/row_sampling.py``).
+        step = None if batch.forward_mode.is_extend() else StepRows.of(
+            batch.reqs, drafting=not self.offload_only)  # fmt: skip
+        if step is None:
             result = self._prefill(batch, pp_proxy_tensors)
-        elif drafted:
-            self._sync_states(batch, drafted)
-            result = self._verify_step(batch, drafted)
+        elif step.drafted:
+            self._sync_states(batch, step.drafted)
+            result = self._verify_step(batch, step)
         else:
             result = self._plain_step(batch)
         if on_publish is not None:
             on_publish(result.new_seq_lens)
         self._publish_placement()
         return result
-
-    def _drafted_rows(self, batch) -> list[int]:
-        """Rows this step drafts; the others take one exact token (``srt/row_sampling.py``)."""
-        if self.offload_only or any(whole_step_reason(r) is not None for r in batch.reqs):
-            return []
-        return [i for i, r in enumerate(batch.reqs) if plain_reason(r) is None]
 
     def _publish_placement(self) -> None:
         if self.metrics is not None:
@@ -177,9 +179,11 @@ class VeriCacheWorker(BaseSpecWorker):
             if state is None or state.covered != base:
                 if state is not None:
                     logger.warning("request %s: compressed KV out of step; rebuilding", req.rid)
-                self.states[req.rid] = RequestDraftState.rebuild(
+                state = RequestDraftState.rebuild(
                     self.compressor, self.offloader.layer_reader(row, base), base, self.num_layers
                 )  # fmt: skip
+                state.stats.mode = decode_mode(req)
+                self.states[req.rid] = state
 
     def _forget_finished(self, batch) -> None:
         """Drop the state of requests that left the decode batch (aborted, retracted).
@@ -232,12 +236,11 @@ class VeriCacheWorker(BaseSpecWorker):
                 self.ahead_used[req.rid] = [self.ahead.halt(req.rid), 0]
             if req is batch.chunked_req:
                 continue  # prompt not complete yet: compress after its last chunk
-            reason = plain_reason(req)
+            mode = DecodeMode.PLAIN if self.offload_only else decode_mode(req)
             if self.metrics is not None:
-                mode = DecodeMode.VERIFY if reason is None else DecodeMode.PLAIN
                 self.metrics.observe_request(mode)
-            if reason is not None:
-                self.plain[req.rid] = VeriCacheStats.plain(reason)
+            if plain_reason(req) is not None:
+                self.plain[req.rid] = VeriCacheStats.plain(plain_reason(req))
                 continue
             if self.offload_only:
                 self.plain[req.rid] = VeriCacheStats.plain(OFFLOAD_ONLY)
@@ -249,6 +252,7 @@ class VeriCacheWorker(BaseSpecWorker):
                 self.compressor, self.offloader.layer_reader(rows[i], seq_lens[i]), seq_lens[i],
                 queries, self.num_layers,
             )  # fmt: skip
+            state.stats.mode = mode
             self.states[req.rid] = state
             self._offload(req, rows[i], seq_lens[i], state.nbytes)
         bs = len(batch.reqs)
@@ -290,11 +294,15 @@ class VeriCacheWorker(BaseSpecWorker):
             reason = OFFLOAD_ONLY if self.offload_only else reason
             self.plain[req.rid] = VeriCacheStats.plain(reason)
 
-    def _draft(self, batch, base: torch.Tensor, rows: torch.Tensor, drafted: list[int]) -> None:
-        """Fill rows[:, 1:] greedily from the compressed views (rows[:, 0] = last token).
+    def _draft(self, batch, base: torch.Tensor, rows: torch.Tensor, drafted: list[int],
+               sampled: SampledDrafts | None) -> None:  # fmt: skip
+        """Fill rows[:, 1:] from the compressed views (rows[:, 0] = last token): greedy rows take
+        the argmax, ``sampled``'s rows a sample of q (kept in ``sampled`` for the verify).
 
         Rows not in ``drafted`` ride along (one batch, one forward) attending over their own
-        draft chain only; their drafts are never verified.
+        draft chain only; their drafts are never verified. The logits are raw (``is_verify``
+        skips SGLang's sampler); ``srt/row_acceptance.py`` says why that is what drafted rows
+        sample from.
         """
         if self._empty_view is None:
             self._empty_view = empty_view(self.model_runner.token_to_kv_pool, self.num_layers)
@@ -306,7 +314,10 @@ class VeriCacheWorker(BaseSpecWorker):
             for j in range(rows.shape[1] - 1):
                 set_decode_inputs(batch, self.offloader.table, rows[:, j], base, j)
                 out = self.target_worker.forward_batch_generation(batch, is_verify=True)
-                rows[:, j + 1] = out.logits_output.next_token_logits.argmax(-1)
+                logits = out.logits_output.next_token_logits  # [bs, V]
+                rows[:, j + 1] = logits.argmax(-1)
+                if sampled is not None:
+                    rows[sampled.rows, j + 1] = sampled.draft(j, logits)
         finally:
             self.attn.draft = None
 
@@ -321,10 +332,9 @@ class VeriCacheWorker(BaseSpecWorker):
             self.ahead_used.setdefault(req.rid, [0, 0])[1] += len(proposals[0])
         return torch.tensor(proposals, dtype=torch.int64, device=self.device)
 
-    def _verify_step(self, batch, drafted: list[int]):
-        """Draft the ``drafted`` rows, verify every row, commit (see ``srt/row_sampling.py``)."""
-        bs = len(batch.reqs)
-        plain_rows = sorted(set(range(bs)) - set(drafted))
+    def _verify_step(self, batch, step: StepRows):
+        """Draft ``step.drafted``, verify every row, commit (``srt/row_acceptance.py``)."""
+        bs, drafted, plain_rows = len(batch.reqs), step.drafted, step.plain
         for i in plain_rows:
             self._note_plain(batch.reqs[i])
         rids = [batch.reqs[i].rid for i in drafted]
@@ -332,16 +342,19 @@ class VeriCacheWorker(BaseSpecWorker):
                 for i in drafted]  # fmt: skip
         width = 1 + self.draft_length.drafts_for(rids, left)
         base = batch.seq_lens_cpu.clone()
-        ahead = None if plain_rows else self._drafted_ahead(batch, width - 1)
+        # Drafts made while fetching are greedy and carry no q: used only by all-greedy steps.
+        ahead = None if plain_rows or step.sampled else self._drafted_ahead(batch, width - 1)
         if ahead is not None:  # every request was drafted while its prefix was fetched
             width = 1 + ahead.shape[1]
         rows = torch.empty(bs, width, dtype=torch.int64, device=self.device)
         rows[:, 0] = last_tokens(batch, self.device)
+        sampled = SampledDrafts.start(batch.sampling_info, batch.reqs, step.sampled, base, width,
+                                      self.generator, self.device)  # fmt: skip
         if ahead is not None:
             rows[:, 1:] = ahead
         else:
             started = time.perf_counter()
-            self._draft(batch, base, rows, drafted)
+            self._draft(batch, base, rows, drafted, sampled)
             self.draft_length.time_draft_step((time.perf_counter() - started) / max(1, width - 1))
 
         set_verify_inputs(batch, self.offloader.table, rows, base)
@@ -352,19 +365,11 @@ class VeriCacheWorker(BaseSpecWorker):
         finally:
             capture, self.attn.capture = self.attn.capture, None
         self.draft_length.time_verify(time.perf_counter() - started)
-        logits = out.logits_output.next_token_logits
-        predict = logits.argmax(-1).view(bs, width)
         draft_lens = torch.zeros(bs, dtype=torch.int32, device=self.device)
         draft_lens[drafted] = width - 1
-        accept_lens = greedy_accept(rows, predict, draft_lens).accept_lens
-        sampled = None
-        if plain_rows:
-            tokens, sampled = sample_first_column(
-                self.model_runner, batch, logits, width, base.to(self.device)
-            )  # fmt: skip
-            predict[plain_rows, 0] = tokens[plain_rows]
-        if batch.return_logprob:
-            fill_spec_logprobs(batch, out.logits_output, predict, sampled, plain_rows)
+        accepted = commit_verify(self.model_runner, batch, out.logits_output, rows, draft_lens,
+                                 sampled, plain_rows, base.to(self.device))  # fmt: skip
+        predict, accept_lens = accepted.committed, accepted.accept_lens
         pool_rows = batch.req_pool_indices.tolist()
         for i in drafted:
             queries = [capture.queries[i][layer] for layer in range(self.num_layers)]
@@ -389,17 +394,12 @@ class VeriCacheWorker(BaseSpecWorker):
         state.stats.record(record)
         self.draft_length.observe(req.rid, width - 1, n - 1)
         if self.metrics is not None:
-            self.metrics.observe_verify(record)
+            self.metrics.observe_verify(record, state.stats.mode)
         self._offload(req, row, base + n, state.nbytes)
 
     def _meta_info(self, rid: str, row: int) -> dict[str, Any]:
-        """``meta_info["vericache"]``: the counters plus where the request's KV lives now."""
-        state, span = self.states.get(rid), self.offloader.ledger.span(row)
+        """``meta_info["vericache"]`` of one request (``srt/metrics.py``)."""
+        state = self.states.get(rid)
         stats = state.stats if state is not None else self.plain.get(rid)
-        info = (stats or VeriCacheStats.plain("prompt still in prefill")).to_meta_info()
-        info["compressed_kv_bytes"] = 0 if state is None else state.nbytes
-        info["host_kv_tokens"] = 0 if span is None else span.host.length
-        info["reserved_slots"] = 0 if span is None else int(span.reserved.numel())
-        made, verified = self.ahead_used.get(rid, (0, 0))
-        info["drafted_while_fetching"], info["drafted_while_fetching_verified"] = made, verified
-        return info
+        return request_meta_info(stats, state, self.offloader.ledger.span(row),
+                                 self.ahead_used.get(rid, (0, 0)))  # fmt: skip

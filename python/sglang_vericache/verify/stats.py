@@ -29,10 +29,21 @@ ACCEPT_LEN_BUCKETS: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 
 
 
 class DecodeMode(str, Enum):
-    """How a request is decoded."""
+    """How a request is decoded (``srt/eligibility.py`` decides; the value is what users see).
 
-    VERIFY = "vericache"  # drafted from the compressed KV, verified against the full KV
-    PLAIN = "plain"  # decoded exactly as without --vericache (e.g. temperature > 0)
+    GREEDY and SAMPLED rows are drafted from the compressed KV and verified against the full KV;
+    they differ only in how a verify accepts: the verifier's argmax (token-identical to plain
+    greedy decoding) or speculative sampling (identical in distribution to plain sampling).
+    """
+
+    GREEDY = "greedy"  # top_k == 1: drafts accepted while they equal the full-KV argmax
+    SAMPLED = "sampled"  # temperature / top-p / top-k / min-p: accepted with prob. min(1, p/q)
+    PLAIN = "plain"  # decoded exactly as without --vericache (penalties, grammar, ...)
+
+    @property
+    def drafted(self) -> bool:
+        """Whether requests in this mode draft and verify."""
+        return self is not DecodeMode.PLAIN
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,10 +82,11 @@ class VeriCacheStats:
 
     ``accepted <= drafted`` and ``committed == accepted + verify_steps`` hold
     at all times (every verification commits exactly one non-draft token).
-    A PLAIN request keeps every counter at zero and names its reason.
+    A PLAIN request keeps every counter at zero and names its reason. For a
+    SAMPLED request ``accepted`` counts drafts that passed their min(1, p/q) coin.
     """
 
-    mode: DecodeMode = DecodeMode.VERIFY
+    mode: DecodeMode = DecodeMode.GREEDY
     plain_reason: str = ""
     drafted: int = 0
     accepted: int = 0
@@ -93,7 +105,7 @@ class VeriCacheStats:
 
     def record(self, rec: VerifyRecord) -> None:
         """Add one verification. Raises on a PLAIN request."""
-        if self.mode is not DecodeMode.VERIFY:
+        if not self.mode.drafted:
             raise RuntimeError("a plain-decoded request has no verifications")
         self.drafted += rec.drafted
         self.accepted += rec.accepted
@@ -111,6 +123,11 @@ class VeriCacheStats:
         """Mean tokens committed per verification (incl. bonus); 0.0 before any."""
         return self.committed / self.verify_steps if self.verify_steps else 0.0
 
+    @property
+    def accept_rate(self) -> float:
+        """Fraction of drafted tokens accepted; 0.0 before any draft."""
+        return self.accepted / self.drafted if self.drafted else 0.0
+
     def to_meta_info(self) -> dict[str, object]:
         """The ``meta_info["vericache"]`` dict: JSON-serialisable, stable keys."""
         return {
@@ -121,6 +138,7 @@ class VeriCacheStats:
             "committed": self.committed,
             "verify_steps": self.verify_steps,
             "mean_accept_len": round(self.mean_accept_len, 4),
+            "accept_rate": round(self.accept_rate, 4),
             "bytes_fetched": self.bytes_fetched,
             "wait_full_s": round(self.wait_full_s, 6),
             "fetch_failures": self.fetch_failures,
@@ -158,7 +176,8 @@ class VeriCacheMetrics:
     bytes_fetched: int = 0
     wait_full_s: float = 0.0
     fetch_failures: int = 0
-    requests_verify: int = 0
+    requests_greedy: int = 0
+    requests_sampled: int = 0
     requests_plain: int = 0
     bucket_counts: list[int] = field(default_factory=lambda: [0] * len(ACCEPT_LEN_BUCKETS))
     overflow: int = 0
@@ -183,10 +202,8 @@ class VeriCacheMetrics:
 
     def observe_request(self, mode: DecodeMode) -> None:
         """Count a request when it is admitted, by how it is decoded."""
-        if mode is DecodeMode.VERIFY:
-            self.requests_verify += 1
-        else:
-            self.requests_plain += 1
+        name = f"requests_{mode.name.lower()}"
+        setattr(self, name, getattr(self, name) + 1)
 
     def cumulative_buckets(self) -> list[tuple[float, int]]:
         """[(le, cumulative count)] including ``(inf, verify_steps)``."""
@@ -205,5 +222,6 @@ class VeriCacheMetrics:
         assert sum(self.bucket_counts) + self.overflow == self.verify_steps
         assert self.accepted <= self.drafted
         assert self.committed == self.accepted + self.verify_steps
-        assert min(self.bytes_fetched, self.fetch_failures, self.requests_verify,
-                   self.requests_plain) >= 0 and self.wait_full_s >= 0.0
+        assert min(self.bytes_fetched, self.fetch_failures, self.requests_greedy,
+                   self.requests_sampled, self.requests_plain) >= 0  # fmt: skip
+        assert self.wait_full_s >= 0.0

@@ -38,8 +38,8 @@ def test_request_stats_and_meta_info() -> None:
     s.check_integrity()
     meta = s.to_meta_info()
     assert json.loads(json.dumps(meta)) == meta
-    assert meta == {"mode": "vericache", "plain_reason": "", "drafted": 8, "accepted": 5,
-                    "committed": 7, "verify_steps": 2, "mean_accept_len": 3.5,
+    assert meta == {"mode": "greedy", "plain_reason": "", "drafted": 8, "accepted": 5,
+                    "committed": 7, "verify_steps": 2, "mean_accept_len": 3.5, "accept_rate": 0.625,
                     "bytes_fetched": 150, "wait_full_s": 0.25, "fetch_failures": 1}
 
 
@@ -74,8 +74,9 @@ def test_metrics_agree_with_per_request_stats(seed: int) -> None:
     m = VeriCacheMetrics()
     per_request = [VeriCacheStats() for _ in range(5)]
     for s in per_request:
-        m.observe_request(DecodeMode.VERIFY)
+        m.observe_request(DecodeMode.GREEDY)
     m.observe_request(DecodeMode.PLAIN)
+    m.observe_request(DecodeMode.SAMPLED)
     for _ in range(200):
         drafted = rng.randint(0, 70)
         rec = VerifyRecord(drafted=drafted, committed=rng.randint(1, drafted + 1),
@@ -92,5 +93,14 @@ def test_metrics_agree_with_per_request_stats(seed: int) -> None:
                   "fetch_failures"):
         assert getattr(m, field) == sum(getattr(s, field) for s in per_request)
     assert m.wait_full_s == pytest.approx(sum(s.wait_full_s for s in per_request))
-    assert (m.requests_verify, m.requests_plain) == (5, 1)
+    assert (m.requests_greedy, m.requests_sampled, m.requests_plain) == (5, 1, 1)
     assert m.cumulative_buckets()[-1][1] == m.verify_steps
+
+
+def test_sampled_requests_record_verifications_and_report_their_mode() -> None:
+    s = VeriCacheStats(mode=DecodeMode.SAMPLED)
+    s.record(VerifyRecord(drafted=4, committed=2, bytes_fetched=0, wait_full_s=0.0))
+    s.check_integrity()
+    meta = s.to_meta_info()
+    assert meta["mode"] == "sampled" and meta["accept_rate"] == 0.25 and meta["plain_reason"] == ""
+    assert DecodeMode.SAMPLED.drafted and DecodeMode.GREEDY.drafted and not DecodeMode.PLAIN.drafted
