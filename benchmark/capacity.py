@@ -72,7 +72,7 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--requests", type=int, default=0, help="default: 4 x the largest --n-full")
     ap.add_argument("--compressors", nargs="+", default=["snapkv:ratio=0.25", "kivi:bits=4"])
-    ap.add_argument("--draft-len", type=int, default=6)
+    ap.add_argument("--draft-len", default="6", help="an integer, or auto (drafts where it pays)")
     ap.add_argument("--no-offload-baseline", action="store_true",
                     help="skip the offload-only baseline (--vericache-draft-len 0)")
     ap.add_argument("--out", type=Path, default=REPO / "benchmark/results/capacity")

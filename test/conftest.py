@@ -51,11 +51,13 @@ def plain_server(default_model_path: Path, tmp_path_factory: pytest.TempPathFact
 def vericache_server(
     default_model_path: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator:
-    """``plain_server``'s arguments plus ``--vericache`` (default compressor, auto draft length)
-    and ``--enable-metrics``: the candidate side of every shared comparison."""
+    """``plain_server``'s arguments plus ``--vericache`` (default compressor), a fixed draft
+    length and ``--enable-metrics``: the candidate side of every shared comparison. Fixed, so
+    every greedy step drafts: ``auto`` decodes plainly where drafting does not pay, which on
+    these short test prompts is most steps, and would leave the drafted path untested."""
     from sglang_vericache.exactness.server import SGLangServer
 
     log = tmp_path_factory.mktemp("vericache_server") / "server.log"
-    args = [*SHARED_ARGS, "--vericache", "--enable-metrics"]
+    args = [*SHARED_ARGS, "--vericache", "--vericache-draft-len", "4", "--enable-metrics"]
     with SGLangServer(args, log_path=log) as server:
         yield server

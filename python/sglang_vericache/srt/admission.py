@@ -14,15 +14,18 @@ is what lets a 4x compressor serve several times more long requests in the same 
 same method sizes decode retraction, which therefore also sees the smaller footprint.
 
 SGLang also stops trying to admit once an admission failed for memory (``batch_is_full``) until
-a request leaves. Under VeriCache memory comes back without anyone leaving (a prefill's full KV
-moves to host memory right after it), so the second hook reopens admission whenever offloads
-have freed slots since the last attempt.
+a request leaves. Under VeriCache memory comes back without anyone leaving (the worker offloads
+resident full KV when admission is short), so the second hook reopens admission whenever
+offloads have freed slots since the last attempt. The third records what an attempt lacked
+(``OffloadLedger.admission_deficit``): the pressure that makes the worker offload
+(``sglang_vericache.placement``); while nothing waits for memory, full KV stays in the pool.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from sglang_vericache.srt.offload import TAIL_CHUNK
 
@@ -30,6 +33,7 @@ TARGET = (
     "sglang.srt.managers.schedule_policy.PrefillAdder._get_running_request_total_token_offset"
 )
 PREFILL_TARGET = "sglang.srt.managers.scheduler.Scheduler._get_new_batch_prefill_raw"
+ADD_TARGET = "sglang.srt.managers.schedule_policy.PrefillAdder.add_one_req"
 
 
 def vericache_future_tokens(sglang_estimate: float, reserved: int, offloaded: int,
@@ -61,7 +65,30 @@ def _new_prefill_around(original: Callable[..., Any], scheduler: Any, *args: Any
         if freed != getattr(scheduler.tree_cache, "freed_seen", 0):
             scheduler.tree_cache.freed_seen = freed
             running_batch.batch_is_full = False  # memory came back: try admitting again
+    if offloader is not None and (
+        not scheduler.waiting_queue or (running_batch is not None and not running_batch.batch_is_full)
+    ):
+        offloader.ledger.admission_deficit = 0  # an attempt runs now and reports afresh
     return original(scheduler, *args, **kw)
+
+
+def admission_deficit(needed: int, remaining: float) -> int:
+    """Slots an attempt lacked: what the request asked for minus the budget left (>= 1)."""
+    return max(1, math.ceil(needed - remaining))
+
+
+def _add_one_req_around(original: Callable[..., Any], adder: Any, req: Any, *args: Any,
+                        **kw: Any) -> Any:  # fmt: skip
+    from sglang.srt.managers.schedule_policy import CLIP_MAX_NEW_TOKENS, AddReqResult
+
+    result = original(adder, req, *args, **kw)
+    offloader = getattr(adder.tree_cache, "offloader", None)
+    if offloader is not None and result == AddReqResult.NO_TOKEN:
+        sp = req.sampling_params
+        max_new = min(max(sp.max_new_tokens - len(req.output_ids), 0), CLIP_MAX_NEW_TOKENS)
+        needed = len(req.full_untruncated_fill_ids) - req.prefix_len + max_new  # as SGLang asks
+        offloader.ledger.admission_deficit = admission_deficit(needed, adder.rem_total_tokens)
+    return result
 
 
 def register_admission_hook() -> None:
@@ -69,3 +96,4 @@ def register_admission_hook() -> None:
 
     HookRegistry.register(TARGET, _running_offset_around, HookType.AROUND)
     HookRegistry.register(PREFILL_TARGET, _new_prefill_around, HookType.AROUND)
+    HookRegistry.register(ADD_TARGET, _add_one_req_around, HookType.AROUND)

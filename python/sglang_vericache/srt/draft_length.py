@@ -1,64 +1,70 @@
-"""``--vericache-draft-len auto``: one verify width per decode step, from each request's history.
+"""One draft count per decode step: fixed, or chosen from measured costs (0: decode plainly).
 
-SGLang's verify input has one width per batch, so the step drafts ``x = max_i x_i`` tokens,
-where ``x_i`` is what ``AdaptiveDraftLength`` (``verify/policy.py``) picks for request i from its
-acceptance estimate and the measured cost of a draft step and of a verify. A request that would
-have stopped earlier only verifies a few more positions (cheap: one O(x * L) pass). A fixed
-``--vericache-draft-len N`` always gives ``N``.
+SGLang's verify input has one width per batch, so a step drafts the same ``x`` for every drafted
+row. ``--vericache-draft-len N`` always gives ``N``. ``auto`` (the default) asks the
+``StepPlanner`` (``verify/step_plan.py``), which weighs each row's acceptance estimate against
+what draft, verify and plain forwards cost on this machine, as timed by the worker: it drafts the
+best ``x`` where that commits more tokens per second than plain decoding, and returns 0 (a plain
+step) where it would not, e.g. short contexts, small batches, or a compressor whose drafts cost
+what full attention costs.
 """
 
 from __future__ import annotations
 
-from sglang_vericache.verify.policy import (
-    AcceptanceConfig,
-    AcceptanceEstimate,
-    DraftCosts,
-    DraftQuery,
-    policy_for,
-)
+from dataclasses import dataclass
+from typing import Sequence
 
-EWMA = 0.8  # weight of the previous timing estimate
+from sglang_vericache.verify.policy import AcceptanceConfig, AcceptanceEstimate
+from sglang_vericache.verify.step_cost import ForwardKind, ForwardShape
+from sglang_vericache.verify.step_plan import PlannedRow, StepDecision, StepPlanner
+
+FIXED = "fixed --vericache-draft-len"
+EWMA = 0.8  # weight of the previous estimate in ``ewma``
+
+
+@dataclass(frozen=True, slots=True)
+class StepRow:
+    """A batch row as the worker sees it: request id, committed KV tokens, tokens in its
+    compressed view, tokens it may still emit, and whether it can draft."""
+
+    rid: str
+    context: int
+    compressed: int
+    remaining: int
+    drafts: bool
 
 
 class DraftLengthController:
-    """Chooses each step's draft count in [1, max_drafts]; bookkeeping only, no torch.
+    """Chooses each step's draft count in {0} + [1, max_drafts]; bookkeeping only, no torch.
 
-    fixed: the configured length (None = adaptive). Timings are wall seconds measured by the
-    worker around its forwards.
+    fixed: the configured length (None = auto). The worker reports every forward it times
+    through ``observe_forward`` and every verification through ``observe``.
     """
 
     def __init__(self, fixed: int | None, max_drafts: int) -> None:
         self.fixed = fixed
         self.max_drafts = max_drafts
-        self.policy = policy_for(fixed, min_len=min(2, max_drafts), max_len=max_drafts)
+        self.planner = StepPlanner(min(2, max_drafts), max_drafts)
         self.estimates: dict[str, AcceptanceEstimate] = {}
-        self.draft_step_s = 0.0
-        self.verify_s = 0.0
 
-    def drafts_for(self, rids: list[str], remaining: list[int]) -> int:
-        """Drafts this step for a batch of requests (``remaining``: tokens each may still emit)."""
+    def plan(self, rows: Sequence[StepRow]) -> StepDecision:
+        if not any(r.drafts for r in rows):
+            return StepDecision(0, "no row can draft")
         if self.fixed is not None:
-            return min(self.fixed, self.max_drafts)
-        if self.draft_step_s <= 0.0:
-            return self.max_drafts // 2 or 1  # no timings yet
-        costs = DraftCosts(draft_step_s=self.draft_step_s, verify_base_s=self.verify_s)
-        best = 1
-        for rid, left in zip(rids, remaining):
-            est = self.estimates.setdefault(rid, AcceptanceEstimate(AcceptanceConfig()))
-            query = DraftQuery(alpha=est.alpha, costs=costs, remaining_tokens=max(1, left))
-            best = max(best, self.policy.choose(query))
-        return min(best, self.max_drafts)
+            return StepDecision(min(self.fixed, self.max_drafts), FIXED)
+        return self.planner.plan([
+            PlannedRow(r.context, r.compressed, self._estimate(r.rid).alpha, max(1, r.remaining),
+                       r.drafts) for r in rows
+        ])  # fmt: skip
 
     def observe(self, rid: str, drafted: int, accepted: int) -> None:
-        self.estimates.setdefault(rid, AcceptanceEstimate(AcceptanceConfig())).update(
-            drafted, accepted
-        )
+        self._estimate(rid).update(drafted, accepted)
 
-    def time_draft_step(self, seconds: float) -> None:
-        self.draft_step_s = ewma(self.draft_step_s, seconds)
+    def observe_forward(self, kind: ForwardKind, shape: ForwardShape, seconds: float) -> None:
+        self.planner.observe(kind, shape, seconds)
 
-    def time_verify(self, seconds: float) -> None:
-        self.verify_s = ewma(self.verify_s, seconds)
+    def _estimate(self, rid: str) -> AcceptanceEstimate:
+        return self.estimates.setdefault(rid, AcceptanceEstimate(AcceptanceConfig()))
 
     def forget(self, rid: str) -> None:
         self.estimates.pop(rid, None)

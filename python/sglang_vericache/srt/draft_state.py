@@ -114,6 +114,13 @@ class RequestDraftState:
         self._views = None
 
     @property
+    def view_tokens(self) -> int:
+        """Tokens a draft query attends over in the first layer's view (what a draft step's
+        attention costs; layers of a pyramid compressor differ, the first is representative)."""
+        first = self.layers[0]
+        return first.compressed.num_kept + first.num_pending
+
+    @property
     def nbytes(self) -> int:
         """Bytes the compressed caches store (packed ints + scales + kept tokens + windows)."""
         return sum(cache.nbytes for cache in self.layers)

@@ -65,6 +65,10 @@ class VeriCacheExporter:
         self._wait = counter("full_kv_wait_seconds", "Time drafts waited for the full KV.")
         self._failures = counter("fetch_failures", "Failed full-KV transfers (recomputed).")
         self._requests = counter("requests", "Requests by decode mode.", ("mode",))
+        self._steps = counter("decode_steps", "Decode steps by the draft-or-plain decision "
+                              "(srt/draft_length.py).", ("decision",))  # fmt: skip
+        self._moved = counter("pressure_offloaded_tokens",
+                              "Full-KV tokens moved to host memory because the pool was short.")
         self._accept_len = Histogram(
             "vericache:accept_length", "Tokens committed per verification, by decode mode.",
             labelnames=names + list(mode), buckets=[float(b) for b in ACCEPT_LEN_BUCKETS],
@@ -100,6 +104,14 @@ class VeriCacheExporter:
 
     def observe_request(self, mode: DecodeMode) -> None:
         self._requests.labels(mode=mode.value, **self._labels).inc()
+
+    def observe_step(self, decision: str) -> None:
+        """One decode step and why it drafted or not (``StepDecision.reason``)."""
+        self._steps.labels(decision=decision, **self._labels).inc()
+
+    def observe_pressure_offload(self, tokens: int) -> None:
+        if tokens:
+            self._moved.labels(**self._labels).inc(tokens)
 
     def set_placement(self, ledger: Any, tracked: int) -> None:
         """Gauges at the end of a scheduler step: ``ledger`` is the offload ledger

@@ -102,6 +102,9 @@ class OffloadLedger:
     def __init__(self) -> None:
         self.rows: dict[int, OffloadedRow] = {}
         self.freed_slots = 0  # pool slots ever given back by offloads (admission watches it)
+        # Slots the last admission attempt lacked for a waiting request (0: none lacked); set by
+        # the admission hook, relieved by the worker offloading resident rows (placement.py).
+        self.admission_deficit = 0
         # Called with a request id when SGLang releases the request's KV (finished at prefill
         # or decode, aborted, retracted): the end of its life, which the worker needs too.
         self.release_listeners: list[Callable[[str], None]] = []

@@ -11,9 +11,14 @@ gets every extend (prefill) and decode batch. Per decode step and request::
              positions p..p+n hold exact KV (written by the verify), appended to the compressed
              cache; drafts past the first rejection are rolled back (their slots are rewritten
              by the next step)
-    offload: the request's committed full KV moves to host memory (after prefill, then every
-             TAIL_CHUNK tokens) and its pool slots go back to the allocator; only the
-             compressed KV's share stays reserved in the pool (``srt/offload.py``)
+    offload: while admission or the next step is short of pool slots, resident full KV moves
+             to host memory (largest first; then every TAIL_CHUNK tokens) and its pool slots
+             go back to the allocator; only the compressed KV's share stays reserved in the
+             pool (``placement.py``, ``srt/offload.py``)
+
+Whether a step drafts at all, and how far, is decided per step from measured forward costs
+(``srt/draft_length.py``): where drafting would commit fewer tokens per second than plain
+decoding, the step is a plain one.
 
 Only tokens the full-KV verify decided are ever committed, so greedy output equals plain
 decoding and sampled output (temperature, top-p/k, min-p) is distributed as plain sampling.
@@ -56,8 +61,16 @@ from sglang_vericache.srt.patches import publish_meta_info
 from sglang_vericache.srt.plugin import vericache_config
 from sglang_vericache.srt.row_acceptance import SampledDrafts
 from sglang_vericache.srt.row_sampling import commit_verify
+from sglang_vericache.srt.step_costs import (
+    draft_shape,
+    plain_shape,
+    relieve_pressure,
+    step_rows,
+    verify_shape,
+)
 from sglang_vericache.verify import VeriCacheStats, VerifyRecord
 from sglang_vericache.verify.stats import DecodeMode
+from sglang_vericache.verify.step_cost import ForwardKind
 
 logger = logging.getLogger(__name__)
 
@@ -137,7 +150,10 @@ class VeriCacheWorker(BaseSpecWorker):
         return self._ahead
 
     def _offload(self, req: Any, row: int, committed: int, compressed_bytes: int) -> None:
-        """Move the request's committed KV past its tree-owned prefix to host memory."""
+        """Move an offloaded row's newly committed KV to host memory too. A row still in the pool
+        stays there until pressure moves it (``relieve_pressure``); offload-only always moves."""
+        if not self.offload_only and self.offloader.ledger.span(row) is None:
+            return
         owned_from = int(req.kv.cache_protected_len)
         self.offloader.offload(row, owned_from, committed, compressed_bytes)
 
@@ -150,11 +166,18 @@ class VeriCacheWorker(BaseSpecWorker):
             batch.reqs, drafting=not self.offload_only)  # fmt: skip
         if step is None:
             result = self._prefill(batch, pp_proxy_tensors)
-        elif step.drafted:
-            self._sync_states(batch, step.drafted)
-            result = self._verify_step(batch, step)
         else:
-            result = self._plain_step(batch)
+            self._sync_states(batch, step.drafted)
+            moved = relieve_pressure(batch, self.states, self.offloader,
+                                     self.speculative_num_draft_tokens)  # fmt: skip
+            plan = self.draft_length.plan(step_rows(batch, self.states, step.drafted))
+            if self.metrics is not None:
+                self.metrics.observe_step(plan.reason)
+                self.metrics.observe_pressure_offload(moved)
+            if plan.drafts:
+                result = self._verify_step(batch, step, plan.drafts)
+            else:
+                result = self._plain_step(batch)
         if on_publish is not None:
             on_publish(result.new_seq_lens)
         self._publish_placement()
@@ -269,7 +292,10 @@ class VeriCacheWorker(BaseSpecWorker):
         base = batch.seq_lens_cpu.clone()
         set_decode_inputs(batch, self.offloader.table, last_tokens(batch, self.device), base, 0)
         rows = batch.req_pool_indices.tolist()
+        started = time.perf_counter()
         out = self.target_worker.forward_batch_generation(batch)
+        self.draft_length.observe_forward(ForwardKind.PLAIN, plain_shape(batch),
+                                          time.perf_counter() - started)  # fmt: skip
         for i, req in enumerate(batch.reqs):
             state, plain = self.states.get(req.rid), self.plain.get(req.rid)
             if state is not None:
@@ -306,14 +332,18 @@ class VeriCacheWorker(BaseSpecWorker):
         """
         if self._empty_view is None:
             self._empty_view = empty_view(self.model_runner.token_to_kv_pool, self.num_layers)
-        views = [self._empty_view] * len(batch.reqs)
+        views, view_tokens = [self._empty_view] * len(batch.reqs), [0] * len(batch.reqs)
         for i in drafted:
-            views[i] = self.states[batch.reqs[i].rid].views()
+            state = self.states[batch.reqs[i].rid]
+            views[i], view_tokens[i] = state.views(), state.view_tokens
         self.attn.draft = DraftViews(base.tolist(), views)
         try:
             for j in range(rows.shape[1] - 1):
                 set_decode_inputs(batch, self.offloader.table, rows[:, j], base, j)
+                started = time.perf_counter()
                 out = self.target_worker.forward_batch_generation(batch, is_verify=True)
+                self.draft_length.observe_forward(ForwardKind.DRAFT, draft_shape(view_tokens, j),
+                                                  time.perf_counter() - started)  # fmt: skip
                 logits = out.logits_output.next_token_logits  # [bs, V]
                 rows[:, j + 1] = logits.argmax(-1)
                 if sampled is not None:
@@ -332,15 +362,13 @@ class VeriCacheWorker(BaseSpecWorker):
             self.ahead_used.setdefault(req.rid, [0, 0])[1] += len(proposals[0])
         return torch.tensor(proposals, dtype=torch.int64, device=self.device)
 
-    def _verify_step(self, batch, step: StepRows):
-        """Draft ``step.drafted``, verify every row, commit (``srt/row_acceptance.py``)."""
+    def _verify_step(self, batch, step: StepRows, drafts: int):
+        """Draft ``drafts`` tokens for ``step.drafted``, verify every row, commit
+        (``srt/row_acceptance.py``)."""
         bs, drafted, plain_rows = len(batch.reqs), step.drafted, step.plain
         for i in plain_rows:
             self._note_plain(batch.reqs[i])
-        rids = [batch.reqs[i].rid for i in drafted]
-        left = [batch.reqs[i].sampling_params.max_new_tokens - len(batch.reqs[i].output_ids)
-                for i in drafted]  # fmt: skip
-        width = 1 + self.draft_length.drafts_for(rids, left)
+        width = 1 + drafts
         base = batch.seq_lens_cpu.clone()
         # Drafts made while fetching are greedy and carry no q: used only by all-greedy steps.
         ahead = None if plain_rows or step.sampled else self._drafted_ahead(batch, width - 1)
@@ -353,9 +381,7 @@ class VeriCacheWorker(BaseSpecWorker):
         if ahead is not None:
             rows[:, 1:] = ahead
         else:
-            started = time.perf_counter()
             self._draft(batch, base, rows, drafted, sampled)
-            self.draft_length.time_draft_step((time.perf_counter() - started) / max(1, width - 1))
 
         set_verify_inputs(batch, self.offloader.table, rows, base)
         self.attn.capture = QueryCapture(width)
@@ -364,7 +390,6 @@ class VeriCacheWorker(BaseSpecWorker):
             out = self.target_worker.forward_batch_generation(batch, is_verify=True)
         finally:
             capture, self.attn.capture = self.attn.capture, None
-        self.draft_length.time_verify(time.perf_counter() - started)
         draft_lens = torch.zeros(bs, dtype=torch.int32, device=self.device)
         draft_lens[drafted] = width - 1
         accepted = commit_verify(self.model_runner, batch, out.logits_output, rows, draft_lens,
@@ -375,6 +400,9 @@ class VeriCacheWorker(BaseSpecWorker):
             queries = [capture.queries[i][layer] for layer in range(self.num_layers)]
             self._commit(batch.reqs[i], pool_rows[i], int(base[i]), int(accept_lens[i]), width,
                          queries)  # fmt: skip
+        # the verify's cost includes its commit bookkeeping: what a drafted step adds per row
+        self.draft_length.observe_forward(ForwardKind.VERIFY, verify_shape(batch, width),
+                                          time.perf_counter() - started)  # fmt: skip
         new_seq_lens = (base + accept_lens.cpu()).to(self.device)
         tokens = torch.zeros(bs, self.speculative_num_draft_tokens, dtype=torch.int64,
                              device=self.device)  # SGLang's rows are the allocated width

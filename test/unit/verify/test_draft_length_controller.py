@@ -1,29 +1,55 @@
-"""srt/draft_length.py: one draft count per step from per-request acceptance and timings."""
+"""srt/draft_length.py: one draft count per step, fixed or from measured costs (0 = plain)."""
 
 from __future__ import annotations
 
-from sglang_vericache.srt.draft_length import DraftLengthController
+from sglang_vericache.srt.draft_length import FIXED, DraftLengthController, StepRow
+from sglang_vericache.verify.step_cost import ForwardKind, ForwardShape
+
+
+def rows(context: int, n: int = 8, remaining: int = 200, drafts: bool = True) -> list[StepRow]:
+    return [StepRow(f"r{i}", context, context // 4, remaining, drafts) for i in range(n)]
+
+
+def time_forwards(ctl: DraftLengthController, fixed: float = 0.058, per_query: float = 0.009,
+                  per_kv: float = 11e-6) -> None:  # fmt: skip
+    """Feed the CPU cost fit of benchmark/model.py as if measured, for every forward kind."""
+    for batch in (1, 4, 8, 16):
+        for width in (1, 3, 5):
+            for context in (500, 3000, 8000):
+                shape = ForwardShape(batch, batch * width, batch * (context + width))
+                seconds = fixed + per_query * shape.queries + per_kv * shape.kv_read
+                for kind in ForwardKind:
+                    ctl.observe_forward(kind, shape, seconds)
 
 
 def test_fixed_length_is_used_as_is() -> None:
     ctl = DraftLengthController(fixed=6, max_drafts=8)
-    ctl.time_draft_step(0.01)
-    assert ctl.drafts_for(["a", "b"], [100, 100]) == 6
-    assert DraftLengthController(fixed=12, max_drafts=8).drafts_for(["a"], [100]) == 8
+    plan = ctl.plan(rows(100))
+    assert (plan.drafts, plan.reason) == (6, FIXED)
+    assert DraftLengthController(fixed=12, max_drafts=8).plan(rows(100)).drafts == 8
 
 
-def test_adaptive_length_follows_acceptance_and_the_step_budget() -> None:
-    ctl = DraftLengthController(fixed=None, max_drafts=16)
-    assert 1 <= ctl.drafts_for(["a"], [100]) <= 16  # before any timing: a middle value
-    ctl.time_draft_step(0.01)
-    ctl.time_verify(0.05)  # verify 5x a draft step: long windows pay off when drafts survive
+def test_auto_drafts_long_contexts_and_decodes_short_ones_plainly() -> None:
+    ctl = DraftLengthController(fixed=None, max_drafts=8)
+    time_forwards(ctl)
+    for i in range(8):
+        for _ in range(10):
+            ctl.observe(f"r{i}", drafted=4, accepted=4)
+    assert ctl.plan(rows(6300)).drafts >= 2
+    assert ctl.plan(rows(300)).drafts == 0
+
+
+def test_acceptance_drives_the_choice_and_forget_drops_it() -> None:
+    ctl = DraftLengthController(fixed=None, max_drafts=8)
+    time_forwards(ctl)
     for _ in range(20):
-        ctl.observe("good", drafted=8, accepted=8)
-        ctl.observe("bad", drafted=8, accepted=0)
-    good = ctl.drafts_for(["good"], [100])
-    bad = ctl.drafts_for(["bad"], [100])
-    assert good > bad >= 1
-    assert ctl.drafts_for(["good", "bad"], [100, 100]) == good  # the batch takes the longest
-    assert ctl.drafts_for(["good"], [3]) <= 2  # never drafts past the request's last token
-    ctl.forget("good")
-    assert "good" not in ctl.estimates
+        for i in range(8):
+            ctl.observe(f"r{i}", drafted=8, accepted=0)
+    assert ctl.plan(rows(6300)).drafts == 0  # drafts that are never accepted never pay
+    ctl.forget("r0")
+    assert "r0" not in ctl.estimates
+
+
+def test_rows_that_cannot_draft_get_a_plain_step() -> None:
+    ctl = DraftLengthController(fixed=4, max_drafts=8)
+    assert ctl.plan(rows(6300, drafts=False)).drafts == 0

@@ -1,0 +1,74 @@
+"""What the worker tells the planner and the placement policy about a batch (glue, no policy).
+
+- ``step_rows``: each row's context, compressed-view size and remaining budget, for the
+  draft-or-plain decision (``srt/draft_length.py`` -> ``verify/step_plan.py``);
+- ``*_shape``: the shape of each forward the worker times, for the cost fit
+  (``verify/step_cost.py``);
+- ``relieve_pressure``: offload resident drafted rows while admission or the next step is short
+  of pool slots (``placement.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+from sglang_vericache.placement import ResidentRow, low_water, rows_to_offload, shortfall
+from sglang_vericache.srt.draft_length import StepRow
+from sglang_vericache.verify.step_cost import ForwardShape
+
+
+def step_rows(batch: Any, states: Mapping[str, Any], drafted: Sequence[int]) -> list[StepRow]:
+    """The batch's rows for ``DraftLengthController.plan`` (``drafted``: rows that can draft)."""
+    can = set(drafted)
+    lens = batch.seq_lens_cpu.tolist()
+    rows = []
+    for i, req in enumerate(batch.reqs):
+        state = states.get(req.rid) if i in can else None
+        left = req.sampling_params.max_new_tokens - len(req.output_ids)
+        rows.append(StepRow(req.rid, int(lens[i]), 0 if state is None else state.view_tokens,
+                            max(1, left), state is not None))  # fmt: skip
+    return rows
+
+
+def plain_shape(batch: Any) -> ForwardShape:
+    """One-token decode over the full KV: each row reads its context plus the new token."""
+    n = len(batch.reqs)
+    return ForwardShape(n, n, int(batch.seq_lens_cpu.sum()) + n)
+
+
+def draft_shape(view_tokens: Sequence[int], step: int) -> ForwardShape:
+    """Draft forward ``step`` (0-based): row i reads its compressed view (0 for rows riding
+    along) plus its draft chain so far."""
+    n = len(view_tokens)
+    return ForwardShape(n, n, sum(view_tokens) + n * (step + 1))
+
+
+def verify_shape(batch: Any, width: int) -> ForwardShape:
+    """A width-W verify: W queries per row sharing one pass over context + W keys."""
+    n = len(batch.reqs)
+    return ForwardShape(n, n * width, int(batch.seq_lens_cpu.sum()) + n * width)
+
+
+def relieve_pressure(batch: Any, states: Mapping[str, Any], offloader: Any, width: int) -> int:
+    """Offload resident drafted rows, largest first, until the pool covers admission's deficit
+    and one more step of every row (``placement.shortfall``). Returns tokens moved to the host.
+    """
+    ledger = offloader.ledger
+    free = int(offloader.allocator.available_size())
+    need = shortfall(free, ledger.admission_deficit, low_water([width] * len(batch.reqs)))
+    if need == 0:
+        return 0
+    pool_rows = batch.req_pool_indices.tolist()
+    lens = batch.seq_lens_cpu.tolist()
+    resident, owner = [], {}
+    for i, req in enumerate(batch.reqs):
+        if req.rid not in states or ledger.span(pool_rows[i]) is not None:
+            continue  # not drafted (nothing to draft from once offloaded), or already offloaded
+        owned_from = int(req.kv.cache_protected_len)
+        resident.append(ResidentRow(pool_rows[i], int(lens[i]) - owned_from))
+        owner[pool_rows[i]] = (owned_from, int(lens[i]), states[req.rid].nbytes)
+    moved = 0
+    for row in rows_to_offload(resident, need):
+        owned_from, committed, compressed = owner[row]
+        moved += offloader.offload(row, owned_from, committed, compressed, min_tokens=1).moved
+    return moved

@@ -1,0 +1,131 @@
+"""Measured forward costs: an online linear fit per forward kind, predicting any batch's step.
+
+Every decode forward the worker runs is timed and described by its shape. The fit is the
+iteration-time model of ``benchmark/model.py`` (on CPU: 58 ms fixed + 9 ms per query token +
+~11 us per KV token read), learned on the serving machine instead of assumed::
+
+    seconds(kind, shape) ~= w0[kind] + w1[kind] * shape.queries + w2[kind] * shape.kv_read
+
+one fit per kind, because the three forwards run different kernels (SGLang's decode, the
+compressed-view decode, the masked verify) whose constants differ by backend and device: the
+same code learns that host KV is a copy away on a CPU and a PCIe crossing on a GPU. Recursive
+least squares with a weak ridge prior and a forgetting factor follows drifting load (these
+machines are shared). No torch, no clock: the caller measures, this remembers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+FEATURES = 3  # 1, queries, kv_read
+
+
+class ForwardKind(StrEnum):
+    PLAIN = "plain"  # SGLang's one-token decode over the full KV
+    DRAFT = "draft"  # one draft step over the compressed views
+    VERIFY = "verify"  # the width-W verify over the full KV
+
+
+@dataclass(frozen=True, slots=True)
+class ForwardShape:
+    """What a forward computes: ``rows`` requests, ``queries`` query tokens in all (rows * width
+    for a verify), ``kv_read`` KV tokens attention reads, each row's counted once (a decode at
+    context L reads L + 1; a verify of width W at base L reads L + W: its W queries share one
+    pass over the keys, which is what costs, on CPU and GPU alike)."""
+
+    rows: int
+    queries: int
+    kv_read: int
+
+    def __post_init__(self) -> None:
+        if not (self.rows >= 1 and self.queries >= self.rows and self.kv_read >= 0):
+            raise ValueError(f"need rows >= 1, queries >= rows, kv_read >= 0: {self}")
+
+    def features(self) -> tuple[float, float, float]:
+        return 1.0, float(self.queries), float(self.kv_read)
+
+
+@dataclass(frozen=True, slots=True)
+class CostFitConfig:
+    """forgetting: weight kept per observation (1 = never forget); prior: ridge strength on the
+    coefficients (a prior of zero cost, worth this many pseudo-observations per unit feature);
+    min_samples: observations before a kind's prediction is trusted."""
+
+    forgetting: float = 0.98
+    prior: float = 1e-6
+    min_samples: int = 3
+
+    def __post_init__(self) -> None:
+        if not 0.5 < self.forgetting <= 1.0:
+            raise ValueError(f"forgetting must be in (0.5, 1], got {self.forgetting}")
+        if not self.prior > 0:
+            raise ValueError(f"prior must be > 0, got {self.prior}")
+        if self.min_samples < 1:
+            raise ValueError(f"min_samples must be >= 1, got {self.min_samples}")
+
+
+class LinearCost:
+    """Recursive least squares over ``ForwardShape.features`` (3 coefficients).
+
+    Features are rescaled (queries / 1e2, kv_read / 1e5) so one ridge prior suits all three;
+    predictions are clamped at zero (a fit may go negative outside the data it has seen).
+    """
+
+    _SCALE = (1.0, 1e-2, 1e-5)
+
+    def __init__(self, config: CostFitConfig = CostFitConfig()) -> None:
+        self.config = config
+        self.samples = 0
+        # P = (X^T X + prior I)^-1, theta = P X^T y, kept incrementally
+        self._p = [[1.0 / config.prior if i == j else 0.0 for j in range(FEATURES)]
+                   for i in range(FEATURES)]  # fmt: skip
+        self._theta = [0.0] * FEATURES
+
+    def _x(self, shape: ForwardShape) -> list[float]:
+        return [f * s for f, s in zip(shape.features(), self._SCALE)]
+
+    def observe(self, shape: ForwardShape, seconds: float) -> None:
+        if not seconds >= 0:
+            raise ValueError(f"seconds must be >= 0, got {seconds}")
+        lam, x, p = self.config.forgetting, self._x(shape), self._p
+        px = [sum(p[i][j] * x[j] for j in range(FEATURES)) for i in range(FEATURES)]
+        denom = lam + sum(x[i] * px[i] for i in range(FEATURES))
+        gain = [v / denom for v in px]
+        err = seconds - sum(t * xi for t, xi in zip(self._theta, x))
+        self._theta = [t + g * err for t, g in zip(self._theta, gain)]
+        self._p = [[(p[i][j] - gain[i] * px[j]) / lam for j in range(FEATURES)]
+                   for i in range(FEATURES)]  # fmt: skip
+        self.samples += 1
+
+    @property
+    def ready(self) -> bool:
+        return self.samples >= self.config.min_samples
+
+    def predict(self, shape: ForwardShape) -> float:
+        return max(0.0, sum(t * xi for t, xi in zip(self._theta, self._x(shape))))
+
+    def check_integrity(self) -> None:
+        for i in range(FEATURES):
+            assert self._p[i][i] > 0, f"covariance lost positivity at {i}: {self._p[i][i]}"
+
+
+class StepCostModel:
+    """One ``LinearCost`` per ``ForwardKind``; ``predict`` is None until a kind is ``ready``."""
+
+    def __init__(self, config: CostFitConfig = CostFitConfig()) -> None:
+        self.fits = {kind: LinearCost(config) for kind in ForwardKind}
+
+    def observe(self, kind: ForwardKind, shape: ForwardShape, seconds: float) -> None:
+        self.fits[kind].observe(shape, seconds)
+
+    def ready(self, kind: ForwardKind) -> bool:
+        return self.fits[kind].ready
+
+    def predict(self, kind: ForwardKind, shape: ForwardShape) -> float | None:
+        fit = self.fits[kind]
+        return fit.predict(shape) if fit.ready else None
+
+    def check_integrity(self) -> None:
+        for fit in self.fits.values():
+            fit.check_integrity()

@@ -1,0 +1,134 @@
+"""Draft this step or decode it plainly, and how far to draft: whichever commits more per second.
+
+A drafted step of x drafts costs x draft forwards (over the compressed views) and one verify of
+width x + 1 (over the full KV); it commits E(alpha_i, x) tokens per drafted row and one per
+other row. A plain step costs one decode forward and commits one token per row. With the fitted
+costs of ``step_cost.StepCostModel``, for the batch at hand::
+
+    plain rate  = rows / T_plain(rows, sum L_i + 1)
+    draft rate  = (sum_drafted E(alpha_i, x) + rows not drafted)
+                  / (sum_{j<x} T_draft(rows, sum C_i + j + 1) + T_verify(rows * W, sum L_i + W))
+
+and the step drafts the best x only when its rate beats plain by ``margin`` (hysteresis: a tie
+is not worth the compressed KV's upkeep). Drafting pays where attention over the full KV
+dominates a step (long contexts, large batches, high acceptance) and loses where the fixed and
+per-token cost of x + 1 forwards dominates: the same code finds both, on any device, from what
+it measured. Until every kind of forward has been timed a few times the planner explores (plain
+first, then drafting), and every ``explore_every``-th decision runs the mode it would not have
+chosen, so a fit never goes stale while the other mode is winning.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from sglang_vericache.verify.policy import expected_committed
+from sglang_vericache.verify.step_cost import ForwardKind, ForwardShape, StepCostModel
+
+
+@dataclass(frozen=True, slots=True)
+class PlannedRow:
+    """One batch row: ``context`` committed KV tokens, ``compressed`` tokens in its compressed
+    view (0 when not drafted), acceptance estimate ``alpha``, ``remaining`` tokens it may emit,
+    and whether it can draft at all."""
+
+    context: int
+    compressed: int
+    alpha: float
+    remaining: int
+    drafts: bool
+
+
+@dataclass(frozen=True, slots=True)
+class StepDecision:
+    """drafts: draft tokens this step (0: a plain decode step). Rates in committed tokens per
+    second as predicted (None while a fit is not ready)."""
+
+    drafts: int
+    reason: str
+    plain_rate: float | None = None
+    draft_rate: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PlannerConfig:
+    margin: float = 0.05  # drafting must beat plain by this fraction
+    explore_every: int = 64  # every n-th decision takes the other mode once
+
+    def __post_init__(self) -> None:
+        if self.margin < 0 or self.explore_every < 2:
+            raise ValueError(f"need margin >= 0 and explore_every >= 2: {self}")
+
+
+def _verify_kv_read(rows: Sequence[PlannedRow], width: int) -> int:
+    return sum(r.context + width for r in rows)  # row i's W queries share one pass over L_i + W
+
+
+class StepPlanner:
+    """Chooses each decode step's draft count from measured costs; no torch, no clock.
+
+    ``costs`` is owned here; the worker feeds it through ``observe`` after each forward.
+    """
+
+    def __init__(self, min_drafts: int, max_drafts: int,
+                 config: PlannerConfig = PlannerConfig()) -> None:  # fmt: skip
+        if not 1 <= min_drafts <= max_drafts:
+            raise ValueError(f"need 1 <= min_drafts <= max_drafts: {min_drafts}, {max_drafts}")
+        self.min_drafts, self.max_drafts, self.config = min_drafts, max_drafts, config
+        self.costs = StepCostModel()
+        self.decisions = 0
+
+    def observe(self, kind: ForwardKind, shape: ForwardShape, seconds: float) -> None:
+        self.costs.observe(kind, shape, seconds)
+
+    def plan(self, rows: Sequence[PlannedRow]) -> StepDecision:
+        if not any(r.drafts for r in rows):
+            return StepDecision(0, "no row can draft")
+        self.decisions += 1
+        if not self.costs.ready(ForwardKind.PLAIN):
+            return StepDecision(0, "measuring plain decode")
+        if not (self.costs.ready(ForwardKind.DRAFT) and self.costs.ready(ForwardKind.VERIFY)):
+            return StepDecision(self._cap(rows, (self.min_drafts + self.max_drafts + 1) // 2),
+                            "measuring drafting")  # fmt: skip
+        plain_rate = self.plain_rate(rows)
+        x, draft_rate = max(((x, self.draft_rate(rows, x)) for x in self._candidates(rows)),
+                            key=lambda pair: (pair[1], pair[0]))  # fmt: skip
+        drafting = draft_rate > plain_rate * (1.0 + self.config.margin)
+        if self.decisions % self.config.explore_every == 0:
+            drafting = not drafting  # keep the losing mode's fit fresh
+            reason = "exploring"
+        else:
+            reason = "drafting pays" if drafting else "plain decoding is faster"
+        return StepDecision(x if drafting else 0, reason, plain_rate, draft_rate)
+
+    def _candidates(self, rows: Sequence[PlannedRow]) -> range:
+        return range(self.min_drafts, self._cap(rows, self.max_drafts) + 1)
+
+    def _cap(self, rows: Sequence[PlannedRow], x: int) -> int:
+        """Drafting past every row's ``remaining - 1`` cannot pay (the verify adds a token)."""
+        most = max(r.remaining - 1 for r in rows if r.drafts)
+        return max(self.min_drafts, min(x, most))
+
+    def plain_rate(self, rows: Sequence[PlannedRow]) -> float:
+        n = len(rows)
+        shape = ForwardShape(n, n, sum(r.context + 1 for r in rows))
+        seconds = self.costs.predict(ForwardKind.PLAIN, shape)
+        return n / max(seconds or 0.0, 1e-9)
+
+    def draft_rate(self, rows: Sequence[PlannedRow], x: int) -> float:
+        n, width = len(rows), x + 1
+        seconds = 0.0
+        for j in range(x):
+            kv_read = sum((r.compressed if r.drafts else 0) + j + 1 for r in rows)
+            seconds += self.costs.predict(ForwardKind.DRAFT, ForwardShape(n, n, kv_read)) or 0.0
+        verify = ForwardShape(n, n * width, _verify_kv_read(rows, width))
+        seconds += self.costs.predict(ForwardKind.VERIFY, verify) or 0.0
+        committed = sum(expected_committed(r.alpha, min(x, max(0, r.remaining - 1)))
+                        if r.drafts else 1.0 for r in rows)  # fmt: skip
+        return committed / max(seconds, 1e-9)
+
+
+def verify_shape(rows: Sequence[PlannedRow], width: int) -> ForwardShape:
+    """The shape of a verify of ``width`` over ``rows`` (what the worker observes)."""
+    return ForwardShape(len(rows), len(rows) * width, _verify_kv_read(rows, width))

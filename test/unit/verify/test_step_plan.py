@@ -1,0 +1,136 @@
+"""The measured-cost fit and the draft-or-plain planner (pure, microseconds)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from sglang_vericache.verify.step_cost import (
+    CostFitConfig,
+    ForwardKind,
+    ForwardShape,
+    LinearCost,
+    StepCostModel,
+)
+from sglang_vericache.verify.step_plan import PlannedRow, PlannerConfig, StepPlanner, verify_shape
+
+# benchmark/model.py's CPU fit: 58 ms per forward + 9 ms per query token + 11 us per KV token
+CPU = (0.058, 0.009, 11e-6)
+
+
+def cpu_seconds(shape: ForwardShape, coef=CPU) -> float:
+    return coef[0] + coef[1] * shape.queries + coef[2] * shape.kv_read
+
+
+def shapes(n: int, seed: int = 0) -> list[ForwardShape]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        rows = rng.randint(1, 16)
+        width = rng.randint(1, 8)
+        out.append(ForwardShape(rows, rows * width, rows * rng.randint(16, 8000)))
+    return out
+
+
+def test_fit_recovers_a_linear_cost() -> None:
+    fit = LinearCost(CostFitConfig(forgetting=1.0))
+    for shape in shapes(60):
+        fit.observe(shape, cpu_seconds(shape))
+    fit.check_integrity()
+    for shape in shapes(20, seed=1):
+        assert fit.predict(shape) == pytest.approx(cpu_seconds(shape), rel=0.02)
+
+
+def test_fit_follows_a_machine_that_slows_down() -> None:
+    fit = LinearCost()
+    for shape in shapes(80):
+        fit.observe(shape, cpu_seconds(shape))
+    slower = tuple(2 * c for c in CPU)
+    for shape in shapes(200, seed=2):
+        fit.observe(shape, cpu_seconds(shape, slower))
+    probe = ForwardShape(8, 8, 8 * 4000)
+    assert fit.predict(probe) == pytest.approx(cpu_seconds(probe, slower), rel=0.05)
+
+
+def test_no_prediction_before_enough_samples() -> None:
+    model = StepCostModel(CostFitConfig(min_samples=3))
+    shape = ForwardShape(1, 1, 100)
+    for _ in range(2):
+        model.observe(ForwardKind.PLAIN, shape, 0.1)
+    assert model.predict(ForwardKind.PLAIN, shape) is None
+    model.observe(ForwardKind.PLAIN, shape, 0.1)
+    assert model.predict(ForwardKind.PLAIN, shape) is not None
+    assert model.predict(ForwardKind.VERIFY, shape) is None
+
+
+@pytest.mark.parametrize("bad", [(0, 1, 0), (2, 1, 0), (1, 1, -1)])
+def test_shape_rejects_nonsense(bad) -> None:
+    with pytest.raises(ValueError):
+        ForwardShape(*bad)
+
+
+def trained_planner(coef=CPU, draft_coef=None, max_drafts=7) -> StepPlanner:
+    """A planner whose three fits learned ``coef`` (drafts: ``draft_coef``) from 40 forwards."""
+    planner = StepPlanner(1, max_drafts, PlannerConfig(explore_every=10**9))
+    for shape in shapes(40, seed=3):
+        planner.observe(ForwardKind.PLAIN, shape, cpu_seconds(shape, coef))
+        planner.observe(ForwardKind.DRAFT, shape, cpu_seconds(shape, draft_coef or coef))
+        planner.observe(ForwardKind.VERIFY, shape, cpu_seconds(shape, coef))
+    return planner
+
+
+def batch(n: int, context: int, ratio: float = 0.25, alpha: float = 0.9, remaining: int = 256):
+    return [PlannedRow(context, int(context * ratio), alpha, remaining, True) for _ in range(n)]
+
+
+def test_long_contexts_draft_and_short_ones_decode_plainly() -> None:
+    """The regimes of the drafting issue under its CPU fit: 8 x 6.3k drafts (measured 1.91x
+    plain), 8 x 1k does not (fixed and per-token costs of x + 1 forwards dominate)."""
+    planner = trained_planner()
+    long_plan = planner.plan(batch(8, 6300))
+    assert long_plan.drafts >= 2, long_plan
+    assert long_plan.draft_rate > 1.2 * long_plan.plain_rate
+    short = planner.plan(batch(8, 1000))
+    assert short.drafts == 0 and short.reason == "plain decoding is faster", short
+
+
+def test_low_acceptance_or_costly_drafts_turn_drafting_off() -> None:
+    planner = trained_planner()
+    assert planner.plan(batch(8, 6300, alpha=0.1)).drafts == 0
+    # a quantized view that costs as much to attend as the full KV (CPU dequantize-on-read)
+    costly = trained_planner(draft_coef=(CPU[0], CPU[1], CPU[2] * 4))
+    assert costly.plan(batch(8, 6300, ratio=1.0)).drafts == 0
+
+
+def test_draft_count_grows_with_acceptance_and_respects_remaining() -> None:
+    planner = trained_planner()
+    low = planner.plan(batch(8, 8000, alpha=0.6)).drafts
+    high = planner.plan(batch(8, 8000, alpha=0.98)).drafts
+    assert 1 <= low <= high
+    assert planner.plan(batch(8, 8000, alpha=0.98, remaining=3)).drafts <= 2
+
+
+def test_explores_until_every_forward_is_measured_then_now_and_then() -> None:
+    planner = StepPlanner(1, 7, PlannerConfig(explore_every=5))
+    rows = batch(4, 6000)
+    assert planner.plan(rows).drafts == 0  # plain first: its cost is the baseline
+    for shape in shapes(3):
+        planner.observe(ForwardKind.PLAIN, shape, cpu_seconds(shape))
+    assert planner.plan(rows).drafts > 0  # then drafting, to measure it
+    for shape in shapes(3):
+        planner.observe(ForwardKind.DRAFT, shape, cpu_seconds(shape))
+        planner.observe(ForwardKind.VERIFY, shape, cpu_seconds(shape))
+    plans = [planner.plan(rows) for _ in range(10)]
+    assert sum(p.reason == "exploring" for p in plans) == 2
+    assert {p.drafts > 0 for p in plans} == {True, False}
+
+
+def test_rows_that_cannot_draft_never_plan_drafts() -> None:
+    planner = trained_planner()
+    rows = [PlannedRow(6300, 0, 0.9, 100, False) for _ in range(4)]
+    assert planner.plan(rows).drafts == 0 and planner.plan(rows).reason == "no row can draft"
+
+
+def test_verify_shape_reads_each_row_once() -> None:
+    shape = verify_shape(batch(2, 100), 5)
+    assert (shape.rows, shape.queries, shape.kv_read) == (2, 10, 210)
