@@ -12,6 +12,9 @@ every other request with it:
 - ``top_logprobs_num`` above the vocabulary size (``/v1/*`` ``top_logprobs`` / ``logprobs``
   map to it): ``topk`` raises "selected index k out of range";
 - ``top_k`` above 2**31 - 1: the sampler packs it into an int32 tensor, which overflows;
+- a ``stop_token_ids`` entry outside ``[0, vocab_size)``: harmless alone, but once a request
+  with ``min_new_tokens`` shares the batch, its penalizer scatters every request's stop ids into
+  a vocabulary-sized tensor and raises (found by the request fuzzer);
 - a parallel-sampling ``n`` so large that one request queues ``n`` copies and holds the
   scheduler for hours (a hang for every other client).
 
@@ -97,15 +100,27 @@ def check_top_logprobs_num(value: Any, vocab_size: int, *, field: str = "top_log
                                "(OpenAI top_logprobs / logprobs map to this field)")  # fmt: skip
 
 
-def check_sampling_params(params: Any) -> None:
+def check_sampling_params(params: Any, vocab_size: int) -> None:
     """The sampling parameters SGLang's ``SamplingParams.verify`` lets through but the
-    scheduler cannot hold: ``top_k`` goes into an int32 tensor."""
-    if not isinstance(params, dict):
-        return
+    scheduler cannot hold: ``top_k`` goes into an int32 tensor; ``stop_token_ids`` index a
+    vocabulary-sized tensor once any request of the batch has ``min_new_tokens``. ``params``:
+    one request's dict, or a batch's list of them."""
+    for item in params if isinstance(params, list) else [params]:
+        if isinstance(item, dict):
+            _check_one_sampling(item, vocab_size)
+
+
+def _check_one_sampling(params: dict, vocab_size: int) -> None:
     top_k = params.get("top_k")
     if _is_int(top_k) and top_k > INT32_MAX:
         raise RequestError("top_k", f"{top_k} is too large; use -1 for the whole vocabulary "
                            f"or a value in [1, {INT32_MAX}]")  # fmt: skip
+    stop_ids = params.get("stop_token_ids")
+    if isinstance(stop_ids, (list, tuple, set)):
+        bad = [t for t in stop_ids if _is_int(t) and not 0 <= t < vocab_size]
+        if bad:
+            raise RequestError("stop_token_ids", f"token id {bad[0]} is outside the model's "
+                               f"vocabulary; valid range is [0, {vocab_size})")  # fmt: skip
 
 
 def check_parallel_samples(n: Any, *, limit: int = MAX_PARALLEL_SAMPLES) -> None:

@@ -47,6 +47,11 @@ BAD_REQUESTS = [
     ("chat: top_logprobs past vocab", "/v1/chat/completions",
      {**CHAT, "logprobs": True, "top_logprobs": 10**6}, ["top_logprobs"]),
     ("chat: huge n", "/v1/chat/completions", {**CHAT, "n": 10**6}, ["n:"]),
+    ("stop id past vocab", "/generate",
+     {"text": "a", "sampling_params": {"max_new_tokens": 4, "stop_token_ids": [VOCAB + 1000]}},
+     ["stop_token_ids", str(VOCAB + 1000), f"[0, {VOCAB})"]),
+    ("chat: stop id past vocab", "/v1/chat/completions", {**CHAT, "stop_token_ids": [-1]},
+     ["stop_token_ids", "-1"]),
 ]  # fmt: skip
 
 

@@ -83,9 +83,19 @@ def test_top_logprobs_num_is_bounded_by_the_vocabulary() -> None:
 
 def test_top_k_must_fit_the_samplers_int32() -> None:
     for ok in (None, {}, {"top_k": -1}, {"top_k": 0}, {"top_k": INT32_MAX}, {"top_k": 2.5}):
-        check_sampling_params(ok)  # 0 and floats are SGLang's to reject, with its own message
-    err = _error(check_sampling_params, {"top_k": INT32_MAX + 1})
+        check_sampling_params(ok, VOCAB)  # 0 and floats are SGLang's to reject, its own message
+    err = _error(check_sampling_params, {"top_k": INT32_MAX + 1}, VOCAB)
     assert err.field == "top_k" and "-1" in str(err) and str(INT32_MAX) in str(err)
+
+
+def test_stop_token_ids_must_be_in_the_vocabulary() -> None:
+    """The fuzzer's crash: an out-of-vocabulary stop id beside a min_new_tokens request."""
+    for ok in ({"stop_token_ids": []}, {"stop_token_ids": [0, VOCAB - 1]}, [{}, {"top_k": 1}]):
+        check_sampling_params(ok, VOCAB)
+    for bad in ({"stop_token_ids": [VOCAB + 1000]}, {"stop_token_ids": [2, -1]},
+                [{}, {"stop_token_ids": [VOCAB]}]):  # fmt: skip
+        err = _error(check_sampling_params, bad, VOCAB)
+        assert err.field == "stop_token_ids" and f"[0, {VOCAB})" in str(err)
 
 
 def test_parallel_samples_are_bounded() -> None:

@@ -82,7 +82,7 @@ def _validate_one_around(original: Callable[..., Any], manager: Any, obj: Any,
         check_prompt_ids(input_ids, vocab_size, field=field)
     if getattr(obj, "return_logprob", False):
         check_top_logprobs_num(getattr(obj, "top_logprobs_num", None), vocab_size)
-    check_sampling_params(getattr(obj, "sampling_params", None))
+    check_sampling_params(getattr(obj, "sampling_params", None), vocab_size)
     return result
 
 
