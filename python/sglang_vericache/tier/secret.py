@@ -22,6 +22,8 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
+from sglang_vericache.paths import cache_path
+
 SECRET_ENV = "VERICACHE_TIER_SECRET"
 SECRET_FILE_ENV = "VERICACHE_TIER_SECRET_FILE"
 MIN_SECRET_BYTES = 16
@@ -45,11 +47,7 @@ class TierSecret:
 
 def default_secret_path() -> Path:
     """``$VERICACHE_TIER_SECRET_FILE``, else the per-user cache path (module doc)."""
-    explicit = os.environ.get(SECRET_FILE_ENV)
-    if explicit:
-        return Path(explicit).expanduser()
-    cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(cache) / "sglang_vericache" / "tier_secret"
+    return cache_path("tier_secret", SECRET_FILE_ENV)
 
 
 def mismatch_hint(source: str) -> str:
