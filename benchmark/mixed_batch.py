@@ -1,10 +1,12 @@
-"""Drafting in mixed traffic: greedy rows beside sampled rows in the same decode batch.
+"""Drafting in mixed traffic: greedy rows beside sampled rows and beside plain rows.
 
-VeriCache drafts greedy rows and gives every other row one exact token from SGLang's sampler in
-the same verify (``srt/row_sampling.py``). This measures what the greedy rows keep: their
-committed tokens per verification in an all-greedy batch vs a batch where half the rows sample
-(``temperature`` 0.8), on one ``--vericache`` server, side by side in one run. Greedy outputs
-are compared with plain SGLang (started with the same arguments minus ``--vericache``).
+VeriCache drafts greedy and sampled rows (speculative sampling) and gives every other row
+(penalties, grammars, ...) one exact token from SGLang's sampler in the same verify
+(``srt/row_sampling.py``). On one ``--vericache`` server with a fixed draft length, side by
+side in one run, three batches of the same prompts: all greedy; half greedy + half sampled
+(``temperature`` 0.8); half greedy + half penalized (``repetition_penalty``, plain rows). It
+reports each kind of row's committed tokens per verification. Greedy outputs are compared with
+plain SGLang (started with the same arguments minus ``--vericache``).
 
     python benchmark/mixed_batch.py --requests 8 --max-new-tokens 64
 
@@ -44,9 +46,9 @@ def send_all(url: str, jobs: list[tuple[str, dict]]) -> tuple[list[dict], float]
     return outs, time.perf_counter() - start
 
 
-def greedy_rows(outs: list[dict], n: int) -> dict:
-    """Committed tokens per verification of the first ``n`` (greedy) rows."""
-    stats = [o["meta_info"]["vericache"] for o in outs[:n]]
+def row_stats(outs: list[dict]) -> dict:
+    """Committed tokens per verification of ``outs``' rows (mean over rows that verified)."""
+    stats = [o["meta_info"]["vericache"] for o in outs]
     per_verify = [s["committed"] / s["verify_steps"] for s in stats if s["verify_steps"]]
     return {"mode": sorted({s["mode"] for s in stats}), "verify_steps": sum(s["verify_steps"] for s in stats),
             "committed_per_verify": round(statistics.mean(per_verify), 3) if per_verify else 0.0}  # fmt: skip
@@ -59,6 +61,7 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--compressor", default="kivi:bits=4")
     ap.add_argument("--temperature", type=float, default=0.8)
+    ap.add_argument("--draft-len", default="4", help="fixed, so every step drafts (not auto)")
     ap.add_argument("--out", type=Path, default=REPO / "benchmark/results/mixed_batch")
     args = ap.parse_args()
 
@@ -71,36 +74,46 @@ def main() -> None:
     half = args.requests // 2
     greedy = {"temperature": 0, "max_new_tokens": args.max_new_tokens, "ignore_eos": True}
     sampled = {**greedy, "temperature": args.temperature}
+    penalized = {**greedy, "repetition_penalty": 1.1}
     base = ["--max-total-tokens", "65536", "--chunked-prefill-size", "1024"]
     logs = args.out.parent / f"{args.out.name}-logs"
     with SGLangServer(base, log_path=logs / "plain.log") as plain:
         reference, _ = send_all(plain.url, [(p, greedy) for p in prompts[:half]])
-    vc_args = base + ["--vericache", "--vericache-compressor", args.compressor]
+    vc_args = base + ["--vericache", "--vericache-compressor", args.compressor,
+                      "--vericache-draft-len", args.draft_len]  # fmt: skip
     with SGLangServer(vc_args, log_path=logs / "vericache.log") as server:
         all_greedy, wall_greedy = send_all(server.url, [(p, greedy) for p in prompts])
         mixed, wall_mixed = send_all(server.url, [(p, greedy) for p in prompts[:half]]
                                      + [(p, sampled) for p in prompts[half:]])  # fmt: skip
-    identical = all(m["output_ids"] == r["output_ids"] == g["output_ids"]
-                    for m, r, g in zip(mixed[:half], reference, all_greedy))  # fmt: skip
-    result = {
-        "settings": vars(args) | {"out": str(args.out)},
-        "all_greedy": greedy_rows(all_greedy, half) | {"wall_s": round(wall_greedy, 2)},
-        "mixed": greedy_rows(mixed, half) | {"wall_s": round(wall_mixed, 2)},
-        "sampled_rows_mode": sorted({o["meta_info"]["vericache"]["mode"] for o in mixed[half:]}),
-        "greedy_rows_identical_to_plain": identical,
-    }
-    ratio = result["mixed"]["committed_per_verify"] / max(result["all_greedy"]["committed_per_verify"], 1e-9)
-    result["mixed_over_all_greedy"] = round(ratio, 3)
+        with_plain, wall_plain = send_all(server.url, [(p, greedy) for p in prompts[:half]]
+                                          + [(p, penalized) for p in prompts[half:]])  # fmt: skip
+    identical = all(m["output_ids"] == r["output_ids"] == g["output_ids"] == w["output_ids"]
+                    for m, r, g, w in zip(mixed[:half], reference, all_greedy, with_plain))
+    batches = {"all_greedy": (all_greedy, wall_greedy), "mixed": (mixed, wall_mixed),
+               "with_plain_rows": (with_plain, wall_plain)}  # fmt: skip
+    result = {"settings": vars(args) | {"out": str(args.out)},
+              "greedy_rows_identical_to_plain": identical}  # fmt: skip
+    for name, (outs, wall) in batches.items():
+        result[name] = {"greedy_rows": row_stats(outs[:half]), "other_rows": row_stats(outs[half:]),
+                        "wall_s": round(wall, 2)}  # fmt: skip
+    base_cpv = max(result["all_greedy"]["greedy_rows"]["committed_per_verify"], 1e-9)
+    for name in ("mixed", "with_plain_rows"):
+        cpv = result[name]["greedy_rows"]["committed_per_verify"]
+        result[name]["greedy_rows_vs_all_greedy"] = round(cpv / base_cpv, 3)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
-    md = [f"# Mixed batch: {half} greedy + {args.requests - half} sampled (T={args.temperature})", "",
-          "| batch | greedy rows' committed tokens per verify | verify steps | wall s |",
-          "|---|---|---|---|"]  # fmt: skip
-    for name in ("all_greedy", "mixed"):
+    md = [f"# Mixed batches: {half} greedy rows + {args.requests - half} others "
+          f"(draft length {args.draft_len}, {args.compressor})", "",
+          "| batch | other rows | greedy rows: committed / verify | other rows: mode, "
+          "committed / verify | wall s |", "|---|---|---|---|---|"]  # fmt: skip
+    others = {"all_greedy": "greedy", "mixed": f"temperature {args.temperature}",
+              "with_plain_rows": "repetition_penalty 1.1"}  # fmt: skip
+    for name, label in others.items():
         r = result[name]
-        md.append(f"| {name} | {r['committed_per_verify']} | {r['verify_steps']} | {r['wall_s']} |")
-    md += ["", f"mixed / all-greedy: {result['mixed_over_all_greedy']}x; greedy rows identical to "
-           f"plain SGLang: {identical}; sampled rows: {result['sampled_rows_mode']}", ""]  # fmt: skip
+        g, o = r["greedy_rows"], r["other_rows"]
+        md.append(f"| {name} | {label} | {g['committed_per_verify']} | {'/'.join(o['mode'])}, "
+                  f"{o['committed_per_verify']} | {r['wall_s']} |")  # fmt: skip
+    md += ["", f"greedy rows identical to plain SGLang in every batch: {identical}", ""]
     args.out.with_suffix(".md").write_text("\n".join(md))
     print("\n".join(md))
     if not identical:
