@@ -72,7 +72,8 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--requests", type=int, default=0, help="default: 4 x the largest --n-full")
     ap.add_argument("--compressors", nargs="+", default=["snapkv:ratio=0.25", "kivi:bits=4"])
-    ap.add_argument("--draft-len", default="6", help="an integer, or auto (drafts where it pays)")
+    ap.add_argument("--draft-len", nargs="+", default=["6"],
+                    help="integers and/or auto (drafts where it pays); several: one server each")
     ap.add_argument("--no-offload-baseline", action="store_true",
                     help="skip the offload-only baseline (--vericache-draft-len 0)")
     ap.add_argument("--out", type=Path, default=REPO / "benchmark/results/capacity")
@@ -98,12 +99,13 @@ def main() -> None:
             runs[OFFLOAD_ONLY] = serve(base + ["--vericache", "--vericache-draft-len", "0"],
                                        prompts, args.max_new_tokens, logs / "offload-only.log")
         for spec in args.compressors:
-            extra = ["--vericache", "--vericache-compressor", spec,
-                     "--vericache-draft-len", str(args.draft_len)]  # fmt: skip
-            runs["vericache " + spec] = serve(
-                base + extra, prompts, args.max_new_tokens,
-                logs / ("vericache-" + spec.replace(":", "_") + ".log"),
-            )  # fmt: skip
+            for draft_len in args.draft_len:
+                extra = ["--vericache", "--vericache-compressor", spec,
+                         "--vericache-draft-len", draft_len]  # fmt: skip
+                runs[vericache_name(spec, draft_len, args.draft_len)] = serve(
+                    base + extra, prompts, args.max_new_tokens,
+                    logs / f"vericache-{spec.replace(':', '_')}-draft-{draft_len}.log",
+                )  # fmt: skip
         reports.append(summarize(args, n_full, budget, n_req, runs))
     if args.append:
         reports = sorted(reports + kept, key=lambda r: r["n_full"])
@@ -117,6 +119,11 @@ def main() -> None:
     print(text)
 
 
+def vericache_name(spec: str, draft_len: str, all_lens: list[str]) -> str:
+    """A server's row name; the draft length is named when several were measured."""
+    return f"vericache {spec}" + (f" draft {draft_len}" if len(all_lens) > 1 else "")
+
+
 def kept_reports(path: Path, args: argparse.Namespace, n_req: int) -> list[dict]:
     """Budgets of an earlier run at ``path`` that this run does not measure again.
 
@@ -128,7 +135,8 @@ def kept_reports(path: Path, args: argparse.Namespace, n_req: int) -> list[dict]
     old = json.loads(path.read_text())
     old = old.get("sweep", [old])
     servers = ["plain"] + [OFFLOAD_ONLY] * (not args.no_offload_baseline) + [
-        "vericache " + spec for spec in args.compressors]  # fmt: skip
+        vericache_name(spec, d, args.draft_len) for spec in args.compressors
+        for d in args.draft_len]  # fmt: skip
     mine = {"prompt_tokens": args.prompt_tokens, "max_new_tokens": args.max_new_tokens,
             "draft_len": args.draft_len, "requests": n_req, "servers": servers}  # fmt: skip
     for r in old:

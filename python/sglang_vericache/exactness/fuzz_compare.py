@@ -48,6 +48,8 @@ class CaseResult:
     max_logprob_diff: float = 0.0
     logprobs_compared: int = 0
     seconds: float = 0.0  # the slower side's time: what sizes a run
+    ref_seconds: float = 0.0
+    cand_seconds: float = 0.0
 
     @property
     def ok(self) -> bool:
@@ -69,7 +71,8 @@ def _status(reply: Reply) -> Any:
 def compare_case(case: FuzzCase, ref: Reply, cand: Reply,
                  tol: float = DEFAULT_TOLERANCE) -> CaseResult:  # fmt: skip
     base = {"index": case.index, "kind": case.kind, "ref_status": ref.status,
-            "cand_status": cand.status, "seconds": round(max(ref.seconds, cand.seconds), 3)}
+            "cand_status": cand.status, "seconds": round(max(ref.seconds, cand.seconds), 3),
+            "ref_seconds": round(ref.seconds, 3), "cand_seconds": round(cand.seconds, 3)}
     if ref.status is None or cand.status is None:
         detail = {"reference_error": ref.error, "candidate_error": cand.error}
         return CaseResult(**base, problems=(Problem(NO_RESPONSE, detail),))

@@ -48,15 +48,17 @@ def summarize(cases: Sequence[FuzzCase], results: Sequence[fc.CaseResult], *, se
 
 
 def _breakdown(by_index: dict[int, FuzzCase], results: Sequence[fc.CaseResult]) -> tuple:
-    kinds: dict[str, dict] = defaultdict(lambda: {"requests": 0, "failed": 0, "seconds": 0.0,
-                                                   "problems": Counter(), "statuses": Counter()})
+    kinds: dict[str, dict] = defaultdict(lambda: {
+        "requests": 0, "failed": 0, "reference_seconds": 0.0, "candidate_seconds": 0.0,
+        "problems": Counter(), "statuses": Counter()})  # fmt: skip
     tags: dict[str, dict] = defaultdict(lambda: {"requests": 0, "failed": 0})
     for r in results:
         c = by_index[r.index]
         row = kinds[c.kind]
         row["requests"] += 1
         row["failed"] += not r.ok
-        row["seconds"] = round(row["seconds"] + r.seconds, 1)
+        row["reference_seconds"] = round(row["reference_seconds"] + r.ref_seconds, 1)
+        row["candidate_seconds"] = round(row["candidate_seconds"] + r.cand_seconds, 1)
         row["statuses"][str(r.ref_status)] += 1
         row["problems"].update(p.kind for p in r.problems)
         for t in c.tags:
