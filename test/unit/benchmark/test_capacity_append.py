@@ -16,13 +16,13 @@ SERVERS = ["plain", OFFLOAD_ONLY, "vericache snapkv:ratio=0.25"]
 
 
 def _args(**over) -> argparse.Namespace:
-    base = {"prompt_tokens": 2048, "max_new_tokens": 64, "draft_len": 6, "no_offload_baseline": False,
+    base = {"prompt_tokens": 2048, "max_new_tokens": 64, "draft_len": ["6"], "no_offload_baseline": False,
                 "compressors": ["snapkv:ratio=0.25"], "n_full": [3, 6]}  # fmt: skip
     return argparse.Namespace(**(base | over))
 
 
 def _report(n_full: int) -> dict:
-    return {"n_full": n_full, "prompt_tokens": 2048, "max_new_tokens": 64, "draft_len": 6,
+    return {"n_full": n_full, "prompt_tokens": 2048, "max_new_tokens": 64, "draft_len": ["6"],
             "rows": [{"server": s, "requests": 8} for s in SERVERS]}  # fmt: skip
 
 
@@ -35,7 +35,7 @@ def test_keeps_the_budgets_this_run_does_not_measure(tmp_path: Path) -> None:
     assert [r["n_full"] for r in kept_reports(path, _args(), 8)] == [12]
 
 
-@pytest.mark.parametrize("change", [{"max_new_tokens": 128}, {"draft_len": 4},
+@pytest.mark.parametrize("change", [{"max_new_tokens": 128}, {"draft_len": ["4"]},
                                     {"compressors": ["kivi:bits=4"]}, {"no_offload_baseline": True}])
 def test_refuses_a_sweep_measured_otherwise(tmp_path: Path, change: dict) -> None:
     path = tmp_path / "sweep.json"
