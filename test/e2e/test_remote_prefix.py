@@ -86,26 +86,21 @@ def test_prefix_computed_on_a_is_a_hit_on_b(servers, kv_server, plain_server, to
     assert got["output_ids"] == _generate(plain_server, turn2)["output_ids"]
 
 
-def test_next_turn_is_drafted_while_its_prefix_is_fetched(servers, kv_server, plain_server,
-                                                          tokenizer) -> None:  # fmt: skip
-    """Same server, next turn: full KV comes back from the tier, drafts from the local compressed KV."""
+def test_next_turn_on_the_same_server_hits_its_own_device_prefix(servers, kv_server, plain_server,
+                                                                  tokenizer) -> None:  # fmt: skip
+    """Same server, next turn: turn 1's full KV is still in the pool (placement by pressure: it
+    fits, so nothing moved it), so the prefix is a device hit and nothing is fetched from the
+    tier, while turn 1 was still written through for the other replicas. (Drafting while a
+    prefix is fetched now needs that prefix evicted first: demotion on eviction is the tiered
+    prefix issue's to build; ``test/srt/test_draft_ahead.py`` covers the drafting itself.)"""
     a, _ = servers
     ids, turn2 = _two_turns(a, kv_server, tokenizer, "payroll", " Which rule is checked first?")
-    got = _generate(a, turn2)
-    meta = got["meta_info"]
-    # A kept only the compressed KV of turn 1: the full prefix came from the tier ...
-    assert meta["cached_tokens"] >= (len(ids) // CHUNK) * CHUNK, meta
-    # ... and A drafted from its compressed copy while the full KV was on its way (whether
-    # those drafts survive verification depends on the compressor: that is measured in
-    # benchmark/remote_prefix.py, not asserted here).
-    assert meta["vericache"]["drafted_while_fetching"] > 0, meta["vericache"]
-    want = _generate(plain_server, turn2)["output_ids"]
-    assert got["output_ids"] == want
-    # The full KV it fetched did not stay on A's device either: asking again fetches it again.
     sent = kv_server.stats()["bytes_out"]
-    again = _generate(a, turn2)
-    assert kv_server.stats()["bytes_out"] - sent >= (len(ids) // CHUNK) * CHUNK * KV_BYTES_PER_TOKEN
-    assert again["output_ids"] == want
+    got = _generate(a, turn2)
+    assert got["meta_info"]["cached_tokens"] >= (len(ids) // CHUNK) * CHUNK, got["meta_info"]
+    fetched = kv_server.stats()["bytes_out"] - sent  # probe replies only, no chunk of KV
+    assert fetched < CHUNK * KV_BYTES_PER_TOKEN, f"a prefix that fits on the device: {fetched} B"
+    assert got["output_ids"] == _generate(plain_server, turn2)["output_ids"]
 
 
 def test_corrupt_chunk_is_recomputed_identically(servers, kv_server, plain_server,
