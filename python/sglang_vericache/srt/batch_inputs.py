@@ -58,6 +58,20 @@ def last_tokens(batch, device: torch.device) -> torch.Tensor:
     return torch.tensor(last, dtype=torch.int64, device=device)
 
 
+def one_token_rows(out, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A one-token decode forward's output in the spec layout: tokens [bs * width] int64 (each
+    row's token first, then padding) and accept_lens [bs] int32 ones. Reshapes the output's
+    ``next_token_logprobs`` to [bs, 1] (SGLang's spec path reads tokens-this-step per row)."""
+    bs = out.next_token_ids.shape[0]
+    device = out.next_token_ids.device
+    tokens = torch.zeros(bs, width, dtype=torch.int64, device=device)
+    tokens[:, 0] = out.next_token_ids
+    logits_output = out.logits_output
+    if logits_output.next_token_logprobs is not None:
+        logits_output.next_token_logprobs = logits_output.next_token_logprobs.view(bs, 1)
+    return tokens.flatten(), torch.ones(bs, dtype=torch.int32, device=device)
+
+
 def spec_result(batch, width: int, next_token_ids: torch.Tensor, accept_lens: torch.Tensor,
                 new_seq_lens: torch.Tensor, logits_output) -> GenerationBatchResult:  # fmt: skip
     """A step's result in SGLang's spec (V2) layout.

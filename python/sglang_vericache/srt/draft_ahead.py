@@ -30,6 +30,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+import torch
+
 from sglang_vericache.srt.draft_length import ewma
 from sglang_vericache.srt.llama_drafter import LlamaDrafter
 
@@ -292,3 +294,17 @@ def draft_ahead_for(req_to_token_pool: Any) -> DraftAhead:
         hub = DraftAhead()
         req_to_token_pool._vericache_draft_ahead = hub
     return hub
+
+
+def batch_proposals(ahead: DraftAhead | None, reqs: Sequence[Any], most: int,
+                    used: dict[str, list[int]], device: Any) -> torch.Tensor | None:  # fmt: skip
+    """Drafts made while fetching for every request of a batch: [bs, n] int64, or None (the
+    worker drafts as usual). ``used[rid][1]`` counts the drafts sent to verification."""
+    if ahead is None or not ahead.jobs:
+        return None
+    proposals = ahead.proposals([(r.rid, r.output_ids) for r in reqs], most)
+    if proposals is None:
+        return None
+    for req in reqs:
+        used.setdefault(req.rid, [0, 0])[1] += len(proposals[0])
+    return torch.tensor(proposals, dtype=torch.int64, device=device)

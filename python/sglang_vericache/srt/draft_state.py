@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -91,6 +91,22 @@ class RequestDraftState:
         except ValueError as exc:
             logger.warning("rebuilding without observations (%s): drafting from the full KV", exc)
             return cls.build(Full(), read, length, no_queries, num_layers)
+
+    @classmethod
+    def in_step(cls, state: "RequestDraftState | None", req: Any, compressor: Compressor,
+                read: LayerReader, length: int, num_layers: int, mode: Any) -> "RequestDraftState":
+        """``state`` if it covers exactly the ``length`` committed tokens, else ``rebuild``'s
+        (normally built at prefill and kept in step by each commit; a request that arrives
+        without one, or out of step after a retraction the worker did not see, is compressed
+        again from its full KV, which is always exact). ``mode``: the rebuilt state's stats mode.
+        """
+        if state is not None and state.covered == length:
+            return state
+        if state is not None:
+            logger.warning("request %s: compressed KV out of step; rebuilding", req.rid)
+        state = cls.rebuild(compressor, read, length, num_layers)
+        state.stats.mode = mode
+        return state
 
     def views(self) -> list[tuple[Tensor, Tensor]]:
         """Per layer (keys, values) [H_kv, T_view, D] to draft from; cached until ``append``."""

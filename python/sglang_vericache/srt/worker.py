@@ -47,11 +47,12 @@ from sglang_vericache.srt.attention import (
 )
 from sglang_vericache.srt.batch_inputs import (
     last_tokens,
+    one_token_rows,
     set_decode_inputs,
     set_verify_inputs,
     spec_result,
 )
-from sglang_vericache.srt.draft_ahead import DraftAhead, draft_ahead_for
+from sglang_vericache.srt.draft_ahead import DraftAhead, batch_proposals, draft_ahead_for
 from sglang_vericache.srt.draft_length import DraftLengthController
 from sglang_vericache.srt.draft_state import RequestDraftState
 from sglang_vericache.srt.eligibility import StepRows, decode_mode, plain_reason, whole_step_reason
@@ -188,25 +189,15 @@ class VeriCacheWorker(BaseSpecWorker):
             self.metrics.set_placement(self.offloader.ledger, len(self.states) + len(self.plain))
 
     def _sync_states(self, batch, drafted: list[int]) -> None:
-        """Every drafted row gets a compressed KV covering exactly its committed KV.
-
-        Normally built at prefill and kept in step by each commit; a request that arrives
-        without one (or out of step, e.g. after a retraction the worker did not see) is
-        compressed again from the full KV in its pool row, which is always exact.
-        """
+        """Every drafted row gets a compressed KV covering exactly its committed KV."""
         bases = batch.seq_lens_cpu.tolist()
         rows = batch.req_pool_indices.tolist()
         for i in drafted:
-            req, base, row = batch.reqs[i], bases[i], rows[i]
-            state = self.states.get(req.rid)
-            if state is None or state.covered != base:
-                if state is not None:
-                    logger.warning("request %s: compressed KV out of step; rebuilding", req.rid)
-                state = RequestDraftState.rebuild(
-                    self.compressor, self.offloader.layer_reader(row, base), base, self.num_layers
-                )  # fmt: skip
-                state.stats.mode = decode_mode(req)
-                self.states[req.rid] = state
+            req, base = batch.reqs[i], bases[i]
+            self.states[req.rid] = RequestDraftState.in_step(
+                self.states.get(req.rid), req, self.compressor,
+                self.offloader.layer_reader(rows[i], base), base, self.num_layers, decode_mode(req),
+            )  # fmt: skip
 
     def _forget_finished(self, batch) -> None:
         """Drop the state of requests that left the decode batch (aborted, retracted).
@@ -303,16 +294,8 @@ class VeriCacheWorker(BaseSpecWorker):
                 state.append(self.offloader.read_slots, slots, [None] * self.num_layers)
             if state is not None or (plain is not None and plain.plain_reason == OFFLOAD_ONLY):
                 self._offload(req, rows[i], int(base[i]) + 1, 0 if state is None else state.nbytes)
-        bs = len(batch.reqs)
-        width = self.speculative_num_draft_tokens
-        tokens = torch.zeros(bs, width, dtype=torch.int64, device=self.device)
-        tokens[:, 0] = out.next_token_ids
-        logits_output = out.logits_output
-        if logits_output.next_token_logprobs is not None:  # spec layout: [bs, tokens this step]
-            logits_output.next_token_logprobs = logits_output.next_token_logprobs.view(bs, 1)
-        ones = torch.ones(bs, dtype=torch.int32, device=self.device)
-        return self._result(batch, tokens.flatten(), ones, (base + 1).to(self.device),
-                            logits_output)  # fmt: skip
+        tokens, ones = one_token_rows(out, self.speculative_num_draft_tokens)
+        return self._result(batch, tokens, ones, (base + 1).to(self.device), out.logits_output)
 
     def _note_plain(self, req) -> None:
         if req.rid not in self.plain and req.rid not in self.states:
@@ -351,17 +334,6 @@ class VeriCacheWorker(BaseSpecWorker):
         finally:
             self.attn.draft = None
 
-    def _drafted_ahead(self, batch, most: int) -> torch.Tensor | None:
-        """Drafts made while fetching, for every request of the batch: [bs, n], or None."""
-        if self.ahead is None or not self.ahead.jobs:
-            return None
-        proposals = self.ahead.proposals([(r.rid, r.output_ids) for r in batch.reqs], most)
-        if proposals is None:
-            return None
-        for req in batch.reqs:
-            self.ahead_used.setdefault(req.rid, [0, 0])[1] += len(proposals[0])
-        return torch.tensor(proposals, dtype=torch.int64, device=self.device)
-
     def _verify_step(self, batch, step: StepRows, drafts: int):
         """Draft ``drafts`` tokens for ``step.drafted``, verify every row, commit
         (``srt/row_acceptance.py``)."""
@@ -371,7 +343,8 @@ class VeriCacheWorker(BaseSpecWorker):
         width = 1 + drafts
         base = batch.seq_lens_cpu.clone()
         # Drafts made while fetching are greedy and carry no q: used only by all-greedy steps.
-        ahead = None if plain_rows or step.sampled else self._drafted_ahead(batch, width - 1)
+        ahead = None if plain_rows or step.sampled else batch_proposals(
+            self.ahead, batch.reqs, width - 1, self.ahead_used, self.device)
         if ahead is not None:  # every request was drafted while its prefix was fetched
             width = 1 + ahead.shape[1]
         rows = torch.empty(bs, width, dtype=torch.int64, device=self.device)

@@ -29,22 +29,24 @@ def test_fixed_length_is_used_as_is() -> None:
     assert DraftLengthController(fixed=12, max_drafts=8).plan(rows(100)).drafts == 8
 
 
-def test_auto_drafts_long_contexts_and_decodes_short_ones_plainly() -> None:
+def timed_controller(drafted: int, accepted: int, verifies: int) -> DraftLengthController:
+    """An auto controller with the CPU cost fit and every row's history of ``verifies``."""
     ctl = DraftLengthController(fixed=None, max_drafts=8)
     time_forwards(ctl)
-    for i in range(8):
-        for _ in range(10):
-            ctl.observe(f"r{i}", drafted=4, accepted=4)
+    for _ in range(verifies):
+        for i in range(8):
+            ctl.observe(f"r{i}", drafted=drafted, accepted=accepted)
+    return ctl
+
+
+def test_auto_drafts_long_contexts_and_decodes_short_ones_plainly() -> None:
+    ctl = timed_controller(drafted=4, accepted=4, verifies=10)
     assert ctl.plan(rows(6300)).drafts >= 2
     assert ctl.plan(rows(300)).drafts == 0
 
 
 def test_acceptance_drives_the_choice_and_forget_drops_it() -> None:
-    ctl = DraftLengthController(fixed=None, max_drafts=8)
-    time_forwards(ctl)
-    for _ in range(20):
-        for i in range(8):
-            ctl.observe(f"r{i}", drafted=8, accepted=0)
+    ctl = timed_controller(drafted=8, accepted=0, verifies=20)
     assert ctl.plan(rows(6300)).drafts == 0  # drafts that are never accepted never pay
     ctl.forget("r0")
     assert "r0" not in ctl.estimates
