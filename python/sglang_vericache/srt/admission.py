@@ -65,9 +65,8 @@ def _new_prefill_around(original: Callable[..., Any], scheduler: Any, *args: Any
         if freed != getattr(scheduler.tree_cache, "freed_seen", 0):
             scheduler.tree_cache.freed_seen = freed
             running_batch.batch_is_full = False  # memory came back: try admitting again
-    if offloader is not None and (
-        not scheduler.waiting_queue or (running_batch is not None and not running_batch.batch_is_full)
-    ):
+    attempt_runs = running_batch is not None and not running_batch.batch_is_full
+    if offloader is not None and (not scheduler.waiting_queue or attempt_runs):
         offloader.ledger.admission_deficit = 0  # an attempt runs now and reports afresh
     return original(scheduler, *args, **kw)
 
