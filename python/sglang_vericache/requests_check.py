@@ -15,6 +15,11 @@ every other request with it:
 - a ``stop_token_ids`` entry outside ``[0, vocab_size)``: harmless alone, but once a request
   with ``min_new_tokens`` shares the batch, its penalizer scatters every request's stop ids into
   a vocabulary-sized tensor and raises (found by the request fuzzer);
+- ``min_new_tokens`` together with a grammar (``regex``, ``json_schema``, ``ebnf``,
+  ``structural_tag``): once the grammar's output is complete it allows only end-of-sequence,
+  which ``min_new_tokens`` masks, so every logit of the row is -inf; as soon as a sampled
+  request shares the batch, the sampler draws from NaN probabilities and raises (found by the
+  request fuzzer);
 - a parallel-sampling ``n`` so large that one request queues ``n`` copies and holds the
   scheduler for hours (a hang for every other client).
 
@@ -36,6 +41,7 @@ from typing import Any
 # fan-out is better sent as separate requests, which the scheduler interleaves with others.
 MAX_PARALLEL_SAMPLES = 128
 INT32_MAX = 2**31 - 1
+GRAMMAR_FIELDS = ("regex", "json_schema", "ebnf", "structural_tag")
 
 
 class RequestError(ValueError):
@@ -103,8 +109,9 @@ def check_top_logprobs_num(value: Any, vocab_size: int, *, field: str = "top_log
 def check_sampling_params(params: Any, vocab_size: int) -> None:
     """The sampling parameters SGLang's ``SamplingParams.verify`` lets through but the
     scheduler cannot hold: ``top_k`` goes into an int32 tensor; ``stop_token_ids`` index a
-    vocabulary-sized tensor once any request of the batch has ``min_new_tokens``. ``params``:
-    one request's dict, or a batch's list of them."""
+    vocabulary-sized tensor once any request of the batch has ``min_new_tokens``;
+    ``min_new_tokens`` beside a grammar can leave no token to sample. ``params``: one
+    request's dict, or a batch's list of them."""
     for item in params if isinstance(params, list) else [params]:
         if isinstance(item, dict):
             _check_one_sampling(item, vocab_size)
@@ -121,6 +128,14 @@ def _check_one_sampling(params: dict, vocab_size: int) -> None:
         if bad:
             raise RequestError("stop_token_ids", f"token id {bad[0]} is outside the model's "
                                f"vocabulary; valid range is [0, {vocab_size})")  # fmt: skip
+    min_new = params.get("min_new_tokens")
+    grammar = next((f for f in GRAMMAR_FIELDS if params.get(f) is not None), None)
+    if grammar is not None and _is_int(min_new) and min_new > 0:
+        raise RequestError("min_new_tokens", f"cannot be combined with {grammar} (got "
+                           f"min_new_tokens={min_new}): once the {grammar} output is complete "
+                           "only end-of-sequence may follow, which min_new_tokens forbids; drop "
+                           "min_new_tokens (OpenAI: min_tokens) and let the grammar set the "
+                           "length")  # fmt: skip
 
 
 def check_parallel_samples(n: Any, *, limit: int = MAX_PARALLEL_SAMPLES) -> None:

@@ -52,6 +52,14 @@ BAD_REQUESTS = [
      ["stop_token_ids", str(VOCAB + 1000), f"[0, {VOCAB})"]),
     ("chat: stop id past vocab", "/v1/chat/completions", {**CHAT, "stop_token_ids": [-1]},
      ["stop_token_ids", "-1"]),
+    ("regex with min_new_tokens", "/generate",
+     {"text": "1, 2, 3,", "sampling_params": {"max_new_tokens": 20, "min_new_tokens": 10,
+                                              "regex": "(yes|no)"}},
+     ["min_new_tokens", "regex"]),
+    ("chat: json_schema with min_tokens", "/v1/chat/completions",
+     {**CHAT, "min_tokens": 4, "response_format": {"type": "json_schema", "json_schema": {
+         "name": "x", "schema": {"type": "object", "properties": {"ok": {"type": "boolean"}}}}}},
+     ["min_new_tokens", "json_schema"]),
 ]  # fmt: skip
 
 

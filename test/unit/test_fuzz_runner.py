@@ -8,12 +8,19 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 from sglang_vericache.exactness.fuzz import GENERATE, STATUS, FuzzCase, VocabInfo
-from sglang_vericache.exactness.fuzz_run import Target, check_health, fuzz, run_side, send
+from sglang_vericache.exactness.fuzz_run import (
+    Target,
+    check_health,
+    fuzz,
+    run_side,
+    send,
+)
 
 VOCAB = VocabInfo(vocab_size=1000, context_len=256, frequent_ids=(5, 6))
 
@@ -21,8 +28,11 @@ VOCAB = VocabInfo(vocab_size=1000, context_len=256, frequent_ids=(5, 6))
 class Fake:
     """A fake server's behaviour: the ids it answers, and KV tokens in use after the start."""
 
-    def __init__(self, ids: list[int], used_after_start: int = 0, started: bool = False) -> None:
+    def __init__(self, ids: list[int], used_after_start: int = 0, started: bool = False,
+                 delay_s: float = 0.0) -> None:  # fmt: skip
         self.ids, self.used_after_start, self.load_calls = ids, used_after_start, int(started)
+        self.delay_s, self.in_flight, self.lock = delay_s, 0, threading.Lock()
+        self.seen: list[tuple[str, int]] = []  # (prompt, requests in flight on arrival)
 
 
 def make_handler(fake: Fake) -> type[BaseHTTPRequestHandler]:
@@ -54,6 +64,12 @@ def make_handler(fake: Fake) -> type[BaseHTTPRequestHandler]:
                 body = json.loads(raw)
             except ValueError:
                 return self._json(400, {"error": "bad json"})
+            with fake.lock:
+                fake.in_flight += 1
+                fake.seen.append((str(body.get("text")), fake.in_flight))
+            time.sleep(fake.delay_s)
+            with fake.lock:
+                fake.in_flight -= 1
             if body.get("stream"):
                 self.send_response(200)
                 self.send_header("Content-Type", "text/event-stream")
@@ -115,6 +131,26 @@ def test_dead_server_is_skipped_not_waited_for(serve) -> None:
     assert sum("skipped" in (r.error or "") for r in replies.values()) == 19
     health = check_health(dead, baseline_used=0, wait_s=1)
     assert health == {"alive": False, "healthy": False, "leak": None}
+
+
+def test_penalized_cases_run_alone_on_their_server(serve) -> None:
+    """Plain SGLang's answer to penalized and ``max_new_tokens: 0`` requests depends on what else
+    is in flight (fuzz_run's doc)."""
+    fake = Fake([1], delay_s=0.05)
+    url = serve(fake)
+    penalized = {"frequency_penalty": 0.3}
+    cases = [FuzzCase(i, "g", GENERATE, {"text": f"p{i}" if i % 4 == 2 else f"g{i}",
+                                         "sampling_params": penalized if i % 4 == 2 else {}},
+                      tags=("penalty",) if i % 4 == 2 else ())  # fmt: skip
+             for i in range(12)]
+    cases.append(FuzzCase(12, "g", GENERATE, {"text": "p12", "sampling_params": {
+        "max_new_tokens": 0}, "return_logprob": True}))  # fmt: skip
+    cases += [FuzzCase(i, "g", GENERATE, {"text": f"g{i}"}) for i in range(13, 16)]
+    replies = run_side(Target("plain", url), cases, concurrency=4, timeout=30)
+    assert sorted(replies) == list(range(16)) and all(r.status == 200 for r in replies.values())
+    alone = [n for text, n in fake.seen if text.startswith("p")]
+    assert alone == [1, 1, 1, 1]
+    assert max(n for text, n in fake.seen if text.startswith("g")) > 1  # the rest still overlap
 
 
 def test_kv_still_in_use_when_idle_is_a_leak(serve) -> None:

@@ -98,6 +98,17 @@ def test_stop_token_ids_must_be_in_the_vocabulary() -> None:
         assert err.field == "stop_token_ids" and f"[0, {VOCAB})" in str(err)
 
 
+def test_min_new_tokens_beside_a_grammar_is_refused() -> None:
+    """The fuzzer's crash: the finished grammar allows only EOS, min_new_tokens masks it, and a
+    sampled neighbour makes the sampler draw from NaN probabilities."""
+    for ok in ({"regex": "(a|b)"}, {"regex": "(a|b)", "min_new_tokens": 0},
+               {"min_new_tokens": 5}, {"json_schema": None, "min_new_tokens": 5}):  # fmt: skip
+        check_sampling_params(ok, VOCAB)
+    for grammar in ("regex", "json_schema", "ebnf", "structural_tag"):
+        err = _error(check_sampling_params, [{}, {grammar: "x", "min_new_tokens": 3}], VOCAB)
+        assert err.field == "min_new_tokens" and grammar in str(err) and "drop" in str(err)
+
+
 def test_parallel_samples_are_bounded() -> None:
     for ok in (None, 0, 1, MAX_PARALLEL_SAMPLES):
         check_parallel_samples(ok)

@@ -7,6 +7,17 @@ is dead (``alive()`` false), or fails ``max_consecutive_errors`` requests in a r
 not answer /health, is marked dead: its remaining cases are recorded as skipped instead of each
 waiting for a timeout.
 
+Two kinds of case run alone on their server, because plain SGLang's own answer to them
+depends on what else is in flight (``runs_alone``):
+
+- penalized (frequency / presence / repetition): the overlapped scheduler feeds its penalizers
+  the last output token it has *processed* when it prepares a step, one step behind unless a
+  prefill batch ran in between (then current, and the next step learns the same token again);
+  seen in this fuzzer as different greedy tokens from the same plain server (seed 13, cases
+  122 and 182);
+- ``max_new_tokens: 0``: a prefill batch made only of such requests skips sampling, so they get
+  no output-token logprob; one that shares its prefill batch with another request gets one.
+
 At the end, per server: alive, /health and /health_generate answer 200, and once idle
 (/v1/loads: no running, waiting or grammar-queued request) ``num_used_tokens`` is back at its
 start value (after a /flush_cache if it is not): KV held by nobody is a leak. SGLang's own
@@ -144,8 +155,33 @@ def run_side(target: Target, cases: Sequence[FuzzCase], *, concurrency: int, tim
             elif state["errors"] >= max_consecutive_errors and not _answers(target.url):
                 state["dead"] = "unresponsive"  # (timeouts alone may just be a loaded machine)
 
+    replies: dict[int, Reply] = {}
     with ThreadPoolExecutor(max_workers=max(1, concurrency)) as pool:
-        return dict(pool.map(one, cases))
+        for group in solo_groups(cases):
+            replies.update(pool.map(one, group))  # the pool drains before a solo group
+    return replies
+
+
+def runs_alone(case: FuzzCase) -> bool:
+    """Whether plain SGLang's answer to ``case`` depends on other requests (module doc)."""
+    if "penalty" in case.labels():
+        return True
+    body = case.body if isinstance(case.body, dict) else {}
+    params = body.get("sampling_params")
+    items = params if isinstance(params, list) else [params if isinstance(params, dict) else {}]
+    return any(p.get("max_new_tokens") == 0 for p in [body, *items] if isinstance(p, dict))
+
+
+def solo_groups(cases: Sequence[FuzzCase]) -> list[list[FuzzCase]]:
+    """``cases`` in order, cut so that every case that ``runs_alone`` is a group of its own:
+    groups run one after another, the cases of a group concurrently."""
+    groups: list[list[FuzzCase]] = [[]]
+    for c in cases:
+        if runs_alone(c):
+            groups += [[c], []]
+        else:
+            groups[-1].append(c)
+    return [g for g in groups if g]
 
 
 def run_pair(ref: Target, cand: Target, cases: Sequence[FuzzCase], *, concurrency: int = 4,

@@ -10,7 +10,7 @@ The one place that decides a row's mode::
              distribution to plain sampling
     PLAIN    penalties, logit bias, ``min_new_tokens``, a custom logit processor or a grammar:
              no drafts; the row takes one exact token from SGLang's sampler in the same verify
-             (``srt/row_sampling.py``)
+             (``srt/row_sampling.py``); and ``max_new_tokens: 0``, which never decodes
 
 Why those stay plain: their logits depend on state that SGLang 0.5.23 advances one token per step
 (penalty counts, the grammar matcher, ``min_new_tokens``' length) or on code we cannot run on a
@@ -29,9 +29,16 @@ from typing import Any
 from sglang_vericache.verify.stats import DecodeMode
 
 
+def prefill_only(req: Any) -> bool:
+    """``max_new_tokens: 0``: the request ends with its prefill (prompt logprobs, scoring)."""
+    return req.sampling_params.max_new_tokens == 0
+
+
 def plain_reason(req: Any) -> str | None:
     """Why ``req``'s rows are not drafted at all (None: drafted, greedy or sampled)."""
     sp = req.sampling_params
+    if prefill_only(req):
+        return "prefill only"
     if sp.frequency_penalty or sp.presence_penalty or sp.repetition_penalty != 1.0:
         return "penalties"
     if sp.min_new_tokens or sp.logit_bias or getattr(req, "custom_logit_processor", None):

@@ -55,7 +55,13 @@ from sglang_vericache.srt.batch_inputs import (
 from sglang_vericache.srt.draft_ahead import DraftAhead, batch_proposals, draft_ahead_for
 from sglang_vericache.srt.draft_length import DraftLengthController
 from sglang_vericache.srt.draft_state import RequestDraftState
-from sglang_vericache.srt.eligibility import StepRows, decode_mode, plain_reason, whole_step_reason
+from sglang_vericache.srt.eligibility import (
+    StepRows,
+    decode_mode,
+    plain_reason,
+    prefill_only,
+    whole_step_reason,
+)
 from sglang_vericache.srt.metrics import VeriCacheExporter, request_meta_info
 from sglang_vericache.srt.offloader import PoolOffloader
 from sglang_vericache.srt.patches import publish_meta_info
@@ -235,6 +241,10 @@ class VeriCacheWorker(BaseSpecWorker):
     # -- prefill -----------------------------------------------------------------------------
 
     def _prefill(self, batch, pp_proxy_tensors):
+        # SGLang turns its prefill-only path (no sampling, no output logprob) off whenever a
+        # speculative algorithm is set; requests with max_new_tokens 0 never decode, so they
+        # take it here exactly as without --vericache.
+        batch.is_prefill_only = all(prefill_only(r) for r in batch.reqs)
         self.attn.capture = QueryCapture(OBS_WINDOW)
         try:
             out = self.target_worker.forward_batch_generation(
