@@ -3,8 +3,9 @@
 and measure time to first token (TTFT) and end-to-end latency per turn.
 
 For each session the turns are sent one after another to ``/v1/chat/completions``
-(stream=True, temperature 0, ``--max-tokens``); the server's answer is appended to the
-history before the next turn, as an agent would. Sessions run one at a time unless
+(stream=True, temperature 0, ``--max-tokens``; with ``--json-tool-calls`` each answer is
+constrained to a JSON tool call by a JSON schema, as agent frameworks do); the server's answer
+is appended to the history before the next turn, as an agent would. Sessions run one at a time unless
 ``--concurrency`` > 1 (then whole sessions run in parallel threads; turns within a session
 stay sequential). Standard library only; a progress bar if ``tqdm`` is installed.
 
@@ -70,6 +71,9 @@ def run_turn(args: argparse.Namespace, messages: list[dict], tools: list[dict],
     }
     if args.send_tools and tools:
         body["tools"] = tools
+    if args.json_tool_calls and tools:
+        body["response_format"] = {"type": "json_schema", "json_schema": {
+            "name": "tool_call", "schema": tool_call_schema(tools)}}
     if args.ignore_eos:
         body["ignore_eos"] = True  # SGLang extension: fixed-length answers
     start = time.perf_counter()
@@ -98,6 +102,15 @@ def run_turn(args: argparse.Namespace, messages: list[dict], tools: list[dict],
         "cached_tokens": details.get("cached_tokens"),
         "output": output, "output_sha256": hashlib.sha256(output.encode()).hexdigest(),
     }
+
+
+def tool_call_schema(tools: list[dict]) -> dict:
+    """JSON schema of one call, ``{"tool": NAME, "arguments": {...}}``, to one of ``tools``
+    (OpenAI function schemas): the format the sessions' system prompt asks the agent for."""
+    calls = [{"type": "object", "required": ["tool", "arguments"], "properties": {
+        "tool": {"const": t["function"]["name"]}, "arguments": t["function"]["parameters"]}}
+        for t in tools]  # fmt: skip
+    return {"anyOf": calls}
 
 
 def run_session(args: argparse.Namespace, session: dict, on_turn) -> list[dict]:  # type: ignore
@@ -190,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=600.0, help="per-request socket timeout")
     p.add_argument("--send-tools", action="store_true",
                    help="also send the tool schemas in the request's 'tools' field")
+    p.add_argument("--json-tool-calls", action="store_true",
+                   help="constrain every answer to a JSON tool call (response_format json_schema)")
     p.add_argument("--ignore-eos", action="store_true", help="SGLang: always emit max tokens")
     p.add_argument("--save-text", action="store_true", help="keep each answer in the output")
     p.add_argument("-o", "--output", default="-", help="results JSON path, '-' for stdout")

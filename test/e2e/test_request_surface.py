@@ -144,6 +144,9 @@ def test_grammar_constrained_greedy_matches(plain_server, vericache_server) -> N
     for sampling in (regex, schema):
         ref, got = both(plain_server, vericache_server, "Is Paris in France? Answer:", sampling)
         assert got["output_ids"] == ref["output_ids"]
+        info = got["meta_info"]["vericache"]  # drafted under the grammar's masks, not plain
+        assert info["mode"] == "greedy" and info["constrained"], info
+        assert info["accepted"] > 0 and info["committed"] > info["verify_steps"], info
 
 
 def test_grammar_termination_under_ignore_eos_finishes_like_plain(

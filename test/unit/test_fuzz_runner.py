@@ -146,10 +146,12 @@ def test_penalized_cases_run_alone_on_their_server(serve) -> None:
     cases.append(FuzzCase(12, "g", GENERATE, {"text": "p12", "sampling_params": {
         "max_new_tokens": 0}, "return_logprob": True}))  # fmt: skip
     cases += [FuzzCase(i, "g", GENERATE, {"text": f"g{i}"}) for i in range(13, 16)]
+    cases.append(FuzzCase(16, "g", GENERATE, {"text": "p16", "max_tokens": 0, "n": 3}))
+    cases += [FuzzCase(i, "g", GENERATE, {"text": f"g{i}"}) for i in range(17, 20)]
     replies = run_side(Target("plain", url), cases, concurrency=4, timeout=30)
-    assert sorted(replies) == list(range(16)) and all(r.status == 200 for r in replies.values())
+    assert sorted(replies) == list(range(20)) and all(r.status == 200 for r in replies.values())
     alone = [n for text, n in fake.seen if text.startswith("p")]
-    assert alone == [1, 1, 1, 1]
+    assert alone == [1, 1, 1, 1, 1]
     assert max(n for text, n in fake.seen if text.startswith("g")) > 1  # the rest still overlap
 
 

@@ -15,7 +15,7 @@ depends on what else is in flight (``runs_alone``):
   prefill batch ran in between (then current, and the next step learns the same token again);
   seen in this fuzzer as different greedy tokens from the same plain server (seed 13, cases
   122 and 182);
-- ``max_new_tokens: 0``: a prefill batch made only of such requests skips sampling, so they get
+- ``max_new_tokens: 0`` (OpenAI ``max_tokens: 0``): a prefill batch made only of such requests skips sampling, so they get
   no output-token logprob; one that shares its prefill batch with another request gets one.
 
 At the end, per server: alive, /health and /health_generate answer 200, and once idle
@@ -169,7 +169,8 @@ def runs_alone(case: FuzzCase) -> bool:
     body = case.body if isinstance(case.body, dict) else {}
     params = body.get("sampling_params")
     items = params if isinstance(params, list) else [params if isinstance(params, dict) else {}]
-    return any(p.get("max_new_tokens") == 0 for p in [body, *items] if isinstance(p, dict))
+    limits = ("max_new_tokens", "max_tokens", "max_completion_tokens")  # /generate, OpenAI
+    return any(p.get(k) == 0 for p in [body, *items] if isinstance(p, dict) for k in limits)
 
 
 def solo_groups(cases: Sequence[FuzzCase]) -> list[list[FuzzCase]]:

@@ -8,22 +8,24 @@ The one place that decides a row's mode::
              the compressed-KV distribution q and accepted by speculative sampling
              (``verify.speculative_accept``, ``srt/row_acceptance.py``), identical in
              distribution to plain sampling
-    PLAIN    penalties, logit bias, ``min_new_tokens``, a custom logit processor or a grammar:
+    PLAIN    penalties, logit bias, ``min_new_tokens``, a custom logit processor, a grammar
+             whose backend cannot roll back (outlines), ``max_new_tokens: 0`` (never decodes):
              no drafts; the row takes one exact token from SGLang's sampler in the same verify
-             (``srt/row_sampling.py``); and ``max_new_tokens: 0``, which never decodes
+             (``srt/row_sampling.py``)
 
-Why those stay plain: their logits depend on state that SGLang 0.5.23 advances one token per step
-(penalty counts, the grammar matcher, ``min_new_tokens``' length) or on code we cannot run on a
-draft chain (a custom processor), so the q and p of a draft chain would need that state advanced
-along the chain and rolled back. Temperature, top-p/top-k/min-p depend on the logits alone, and
-``verify/sampling_probs.py`` rebuilds SGLang's sampling distribution from them exactly. Logprobs
-are not a reason: the verify computes full-KV logits at every committed position and they are
-served from there.
+Grammar rows of either mode draft too: their matcher advances along the draft chain and rolls
+back, and every draft and verify column is masked by its state there (``verify/grammar_chain.py``).
+Why the rest stay plain: their logits depend on state that SGLang 0.5.23 advances one token per
+step and cannot roll back (penalty counts, ``min_new_tokens``' length) or on code we cannot run
+on a draft chain (a custom processor). Temperature, top-p/top-k/min-p depend on the logits
+alone, and ``verify/sampling_probs.py`` rebuilds SGLang's sampling distribution from them
+exactly. Logprobs are not a reason: the verify computes full-KV logits at every committed
+position and they are served from there.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from sglang_vericache.verify.stats import DecodeMode
@@ -43,9 +45,18 @@ def plain_reason(req: Any) -> str | None:
         return "penalties"
     if sp.min_new_tokens or sp.logit_bias or getattr(req, "custom_logit_processor", None):
         return "logit processing"
-    if getattr(req, "grammar", None) is not None:
-        return "constrained decoding"
+    grammar = getattr(req, "grammar", None)
+    if grammar is not None and not rolls_back(grammar):
+        return "constrained decoding (grammar backend without rollback)"
     return None
+
+
+def rolls_back(grammar: Any) -> bool:
+    """Whether a grammar object can undo accepted tokens, which drafting along a chain needs
+    (``verify/grammar_chain.py``): xgrammar and llguidance can; outlines cannot."""
+    from sglang.srt.constrained.base_grammar_backend import BaseGrammarObject
+
+    return type(grammar).rollback is not BaseGrammarObject.rollback
 
 
 def decode_mode(req: Any) -> DecodeMode:
@@ -75,12 +86,14 @@ class StepRows:
     """One decode step's batch rows by how they decode (indices into ``batch.reqs``, ascending).
 
     drafted: GREEDY and SAMPLED rows (drafted, verified); sampled: the SAMPLED ones among them;
-    plain: every other row (one token from SGLang's sampler in the same step).
+    grammar: the drafted ones with a grammar (masked along the chain); plain: every other row
+    (one token from SGLang's sampler in the same step).
     """
 
     drafted: list[int]
     sampled: list[int]
     plain: list[int]
+    grammar: list[int] = field(default_factory=list)
 
     @classmethod
     def of(cls, reqs: list[Any], *, drafting: bool = True) -> StepRows:
@@ -93,4 +106,6 @@ class StepRows:
             drafted=[i for i, m in enumerate(modes) if m.drafted],
             sampled=[i for i, m in enumerate(modes) if m is DecodeMode.SAMPLED],
             plain=[i for i, m in enumerate(modes) if not m.drafted],
+            grammar=[i for i, m in enumerate(modes)
+                     if m.drafted and getattr(reqs[i], "grammar", None) is not None],
         )  # fmt: skip

@@ -76,6 +76,7 @@ from sglang_vericache.srt.step_costs import (
     verify_shape,
 )
 from sglang_vericache.verify import VeriCacheStats, VerifyRecord
+from sglang_vericache.verify.grammar_chain import GrammarChain
 from sglang_vericache.verify.stats import DecodeMode
 from sglang_vericache.verify.step_cost import ForwardKind
 
@@ -276,7 +277,7 @@ class VeriCacheWorker(BaseSpecWorker):
                 self.compressor, self.offloader.layer_reader(rows[i], seq_lens[i]), seq_lens[i],
                 queries, self.num_layers,
             )  # fmt: skip
-            state.stats.mode = mode
+            state.stats.mode, state.stats.constrained = mode, req.grammar is not None
             self.states[req.rid] = state
             self._offload(req, rows[i], seq_lens[i], state.nbytes)
         bs = len(batch.reqs)
@@ -314,9 +315,10 @@ class VeriCacheWorker(BaseSpecWorker):
             self.plain[req.rid] = VeriCacheStats.plain(reason)
 
     def _draft(self, batch, base: torch.Tensor, rows: torch.Tensor, drafted: list[int],
-               sampled: SampledDrafts | None) -> None:  # fmt: skip
+               sampled: SampledDrafts | None, grammar: GrammarChain | None) -> None:  # fmt: skip
         """Fill rows[:, 1:] from the compressed views (rows[:, 0] = last token): greedy rows take
-        the argmax, ``sampled``'s rows a sample of q (kept in ``sampled`` for the verify).
+        the argmax, ``sampled``'s rows a sample of q (kept in ``sampled`` for the verify);
+        ``grammar``'s rows draw from masked logits and keep every column's mask for the verify.
 
         Rows not in ``drafted`` ride along (one batch, one forward) attending over their own
         draft chain only; their drafts are never verified. The logits are raw (``is_verify``
@@ -338,11 +340,20 @@ class VeriCacheWorker(BaseSpecWorker):
                 self.draft_length.observe_forward(ForwardKind.DRAFT, draft_shape(view_tokens, j),
                                                   time.perf_counter() - started)  # fmt: skip
                 logits = out.logits_output.next_token_logits  # [bs, V]
+                if grammar is not None:
+                    grammar.fill(j)
+                    grammar.apply(logits, j)
                 rows[:, j + 1] = logits.argmax(-1)
                 if sampled is not None:
                     rows[sampled.rows, j + 1] = sampled.draft(j, logits)
+                if grammar is not None:
+                    grammar.advance(j, rows[:, j + 1])
+            if grammar is not None:
+                grammar.fill(rows.shape[1] - 1)
         finally:
             self.attn.draft = None
+            if grammar is not None:
+                grammar.rollback()  # the scheduler advances the matchers over what commits
 
     def _verify_step(self, batch, step: StepRows, drafts: int):
         """Draft ``drafts`` tokens for ``step.drafted``, verify every row, commit
@@ -352,8 +363,8 @@ class VeriCacheWorker(BaseSpecWorker):
             self._note_plain(batch.reqs[i])
         width = 1 + drafts
         base = batch.seq_lens_cpu.clone()
-        # Drafts made while fetching are greedy and carry no q: used only by all-greedy steps.
-        ahead = None if plain_rows or step.sampled else batch_proposals(
+        # Drafts made while fetching are greedy, unmasked and carry no q: all-greedy steps only.
+        ahead = None if plain_rows or step.sampled or step.grammar else batch_proposals(
             self.ahead, batch.reqs, width - 1, self.ahead_used, self.device)
         if ahead is not None:  # every request was drafted while its prefix was fetched
             width = 1 + ahead.shape[1]
@@ -361,10 +372,12 @@ class VeriCacheWorker(BaseSpecWorker):
         rows[:, 0] = last_tokens(batch, self.device)
         sampled = SampledDrafts.start(batch.sampling_info, batch.reqs, step.sampled, base, width,
                                       self.generator, self.device)  # fmt: skip
+        grammar = GrammarChain.start([batch.reqs[i].grammar for i in step.grammar], step.grammar,
+                                     width, batch.sampling_info.vocab_size, self.device)  # fmt: skip
         if ahead is not None:
             rows[:, 1:] = ahead
         else:
-            self._draft(batch, base, rows, drafted, sampled)
+            self._draft(batch, base, rows, drafted, sampled, grammar)
 
         set_verify_inputs(batch, self.offloader.table, rows, base)
         self.attn.capture = QueryCapture(width)
@@ -375,14 +388,17 @@ class VeriCacheWorker(BaseSpecWorker):
             capture, self.attn.capture = self.attn.capture, None
         draft_lens = torch.zeros(bs, dtype=torch.int32, device=self.device)
         draft_lens[drafted] = width - 1
+        if grammar is not None:
+            grammar.limit(draft_lens)
+            grammar.apply(out.logits_output.next_token_logits)  # logprobs are of masked logits
         accepted = commit_verify(self.model_runner, batch, out.logits_output, rows, draft_lens,
                                  sampled, plain_rows, base.to(self.device))  # fmt: skip
         predict, accept_lens = accepted.committed, accepted.accept_lens
         pool_rows = batch.req_pool_indices.tolist()
         for i in drafted:
             queries = [capture.queries[i][layer] for layer in range(self.num_layers)]
-            self._commit(batch.reqs[i], pool_rows[i], int(base[i]), int(accept_lens[i]), width,
-                         queries)  # fmt: skip
+            self._commit(batch.reqs[i], pool_rows[i], int(base[i]), int(accept_lens[i]),
+                         int(draft_lens[i]), queries)  # fmt: skip
         # the verify's cost includes its commit bookkeeping: what a drafted step adds per row
         self.draft_length.observe_forward(ForwardKind.VERIFY, verify_shape(batch, width),
                                           time.perf_counter() - started)  # fmt: skip
@@ -393,17 +409,18 @@ class VeriCacheWorker(BaseSpecWorker):
         return self._result(batch, tokens.flatten(), accept_lens, new_seq_lens,
                             out.logits_output)  # fmt: skip
 
-    def _commit(self, req, row: int, base: int, n: int, width: int, queries) -> None:
-        """Book ``n`` committed tokens of a drafted row: compressed KV, stats, placement."""
+    def _commit(self, req, row: int, base: int, n: int, drafts: int, queries) -> None:
+        """Book ``n`` committed tokens of a row verified over ``drafts`` drafts: compressed KV,
+        stats, placement."""
         state = self.states[req.rid]
         slots = self.offloader.row_slots(row, base, base + n)
         state.append(self.offloader.read_slots, slots, [q[:, :n] for q in queries])
         span = self.offloader.ledger.span(row)
         fetched = 0 if span is None else span.host.nbytes  # host KV the verify read
-        record = VerifyRecord(drafted=width - 1, committed=n, bytes_fetched=fetched,
+        record = VerifyRecord(drafted=drafts, committed=n, bytes_fetched=fetched,
                               wait_full_s=0.0)  # fmt: skip
         state.stats.record(record)
-        self.draft_length.observe(req.rid, width - 1, n - 1)
+        self.draft_length.observe(req.rid, drafts, n - 1)
         if self.metrics is not None:
             self.metrics.observe_verify(record, state.stats.mode)
         self._offload(req, row, base + n, state.nbytes)

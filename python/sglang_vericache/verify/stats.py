@@ -88,6 +88,7 @@ class VeriCacheStats:
 
     mode: DecodeMode = DecodeMode.GREEDY
     plain_reason: str = ""
+    constrained: bool = False  # a grammar masks its drafts and verifies (grammar_chain.py)
     drafted: int = 0
     accepted: int = 0
     committed: int = 0
@@ -133,6 +134,7 @@ class VeriCacheStats:
         return {
             "mode": self.mode.value,
             "plain_reason": self.plain_reason,
+            "constrained": self.constrained,
             "drafted": self.drafted,
             "accepted": self.accepted,
             "committed": self.committed,

@@ -38,8 +38,8 @@ def test_request_stats_and_meta_info() -> None:
     s.check_integrity()
     meta = s.to_meta_info()
     assert json.loads(json.dumps(meta)) == meta
-    assert meta == {"mode": "greedy", "plain_reason": "", "drafted": 8, "accepted": 5,
-                    "committed": 7, "verify_steps": 2, "mean_accept_len": 3.5, "accept_rate": 0.625,
+    assert meta == {"mode": "greedy", "plain_reason": "", "constrained": False, "drafted": 8,
+                    "accepted": 5, "committed": 7, "verify_steps": 2, "mean_accept_len": 3.5, "accept_rate": 0.625,
                     "bytes_fetched": 150, "wait_full_s": 0.25, "fetch_failures": 1}
 
 
