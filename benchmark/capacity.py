@@ -14,6 +14,7 @@ for every token, no compressed KV, no drafting): what VeriCache would cost witho
     python benchmark/capacity.py --max-new-tokens 64 --n-full 2 3 6 12 --requests 8 \
         --compressors snapkv:ratio=0.25 --out benchmark/results/budget_sweep
     python benchmark/capacity.py ... --n-full 24 --append    # one more budget, same settings
+    python benchmark/capacity.py ... --temperature 0.7       # sampled rows (speculative sampling)
 
 Writes OUT.{json,md} (and OUT.png for a sweep); default OUT benchmark/results/capacity.
 """
@@ -47,11 +48,11 @@ def peak_running(log: Path) -> int:
     return max((int(m) for m in RUNNING.findall(log.read_text(errors="replace"))), default=0)
 
 
-def serve(args_list: list[str], prompts: list[dict], max_new: int, log: Path) -> dict:
-    """Start one server, send every prompt at once, return outputs, meta and the peak."""
+def serve(args_list: list[str], prompts: list[dict], sampling: dict, log: Path) -> dict:
+    """Start one server, send every prompt at once (``sampling``: their sampling params),
+    return outputs, meta and the peak."""
     with SGLangServer(args_list + ["--decode-log-interval", "1"], log_path=log) as server:
-        body = lambda p: {"text": p["text"], "sampling_params": {  # noqa: E731
-            "temperature": 0, "max_new_tokens": max_new, "ignore_eos": True}}
+        body = lambda p: {"text": p["text"], "sampling_params": sampling}  # noqa: E731
         start = time.perf_counter()
         with ThreadPoolExecutor(len(prompts)) as pool, tqdm(total=len(prompts), desc=log.stem) as bar:
             futures = [pool.submit(http_json, server.url + "/generate", body(p)) for p in prompts]
@@ -70,6 +71,8 @@ def main() -> None:
                     help="full-KV requests each budget holds (several: a budget sweep)")
     ap.add_argument("--prompt-tokens", type=int, default=2048)
     ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="0: greedy, outputs compared with plain; > 0: sampled (no comparison)")
     ap.add_argument("--requests", type=int, default=0, help="default: 4 x the largest --n-full")
     ap.add_argument("--compressors", nargs="+", default=["snapkv:ratio=0.25", "kivi:bits=4"])
     ap.add_argument("--draft-len", nargs="+", default=["6"],
@@ -89,21 +92,23 @@ def main() -> None:
     lo = args.prompt_tokens * 3 // 4  # the builder cannot hit an exact length for every kind
     prompts = build_prompt_set(tok, n=n_req, min_tokens=lo, max_tokens=args.prompt_tokens, seed=11)
     kept = kept_reports(args.out.with_suffix(".json"), args, n_req) if args.append else []
+    sampling = {"temperature": args.temperature, "max_new_tokens": args.max_new_tokens,
+                "ignore_eos": True}
     reports = []
     for n_full in args.n_full:
         budget = n_full * (args.prompt_tokens + args.max_new_tokens) + SLOT_SLACK
         base = ["--model-path", str(model), "--max-total-tokens", str(budget)]
         logs = args.out.parent / f"{args.out.name}-logs" / f"n{n_full}"
-        runs = {"plain": serve(base, prompts, args.max_new_tokens, logs / "plain.log")}
+        runs = {"plain": serve(base, prompts, sampling, logs / "plain.log")}
         if not args.no_offload_baseline:
             runs[OFFLOAD_ONLY] = serve(base + ["--vericache", "--vericache-draft-len", "0"],
-                                       prompts, args.max_new_tokens, logs / "offload-only.log")
+                                       prompts, sampling, logs / "offload-only.log")
         for spec in args.compressors:
             for draft_len in args.draft_len:
                 extra = ["--vericache", "--vericache-compressor", spec,
                          "--vericache-draft-len", draft_len]  # fmt: skip
                 runs[vericache_name(spec, draft_len, args.draft_len)] = serve(
-                    base + extra, prompts, args.max_new_tokens,
+                    base + extra, prompts, sampling,
                     logs / f"vericache-{spec.replace(':', '_')}-draft-{draft_len}.log",
                 )  # fmt: skip
         reports.append(summarize(args, n_full, budget, n_req, runs))
@@ -138,9 +143,11 @@ def kept_reports(path: Path, args: argparse.Namespace, n_req: int) -> list[dict]
         vericache_name(spec, d, args.draft_len) for spec in args.compressors
         for d in args.draft_len]  # fmt: skip
     mine = {"prompt_tokens": args.prompt_tokens, "max_new_tokens": args.max_new_tokens,
-            "draft_len": args.draft_len, "requests": n_req, "servers": servers}  # fmt: skip
+            "draft_len": args.draft_len, "temperature": args.temperature, "requests": n_req,
+            "servers": servers}  # fmt: skip
     for r in old:
         theirs = {k: r[k] for k in ("prompt_tokens", "max_new_tokens", "draft_len")} | {
+            "temperature": r.get("temperature", 0.0),  # runs before the option were greedy
             "requests": r["rows"][0]["requests"], "servers": [x["server"] for x in r["rows"]]}
         if theirs != mine:
             raise ValueError(f"--append: {path} was measured with {theirs}, this run with {mine}; "
@@ -187,7 +194,8 @@ def summarize(args: argparse.Namespace, n_full: int, budget: int, n_req: int, ru
             "output_tokens_per_s": round(sum(len(o) for o in run["outputs"]) / run["wall_s"], 2),
             "throughput_vs_plain": round(
                 sum(len(o) for o in run["outputs"]) / run["wall_s"] / plain_tps, 2),
-            "identical_to_plain": sum(a == b for a, b in zip(run["outputs"], ref)),
+            "identical_to_plain": (sum(a == b for a, b in zip(run["outputs"], ref))
+                                   if args.temperature == 0 else None),  # sampled: no contract
             "requests": n_req,
             "wall_s": run["wall_s"],
             "mean_accept_len": round(sum(v.get("mean_accept_len", 0) for v in vc) / n_req, 2),
@@ -195,14 +203,16 @@ def summarize(args: argparse.Namespace, n_full: int, budget: int, n_req: int, ru
             "mean_compressed_kv_bytes": round(sum(comp) / n_req),
         })  # fmt: skip
     return {"budget_tokens": budget, "n_full": n_full, "prompt_tokens": args.prompt_tokens,
-            "max_new_tokens": args.max_new_tokens, "draft_len": args.draft_len, "rows": rows}  # fmt: skip
+            "max_new_tokens": args.max_new_tokens, "draft_len": args.draft_len,
+            "temperature": args.temperature, "rows": rows}  # fmt: skip
 
 
 def markdown(report: dict) -> str:
     lines = [
         f"Device KV budget `--max-total-tokens {report['budget_tokens']}` = "
         f"{report['n_full']} x ({report['prompt_tokens']} prompt + {report['max_new_tokens']} "
-        f"output) tokens of full KV; all requests sent at once.",
+        f"output) tokens of full KV; all requests sent at once"
+        f"{', temperature ' + str(report['temperature']) if report.get('temperature') else ''}.",
         "",
         "| server | peak concurrent | x N | identical to plain | wall s | output tok/s | "
         "throughput vs plain | accept len |",
@@ -210,10 +220,16 @@ def markdown(report: dict) -> str:
     ]
     for r in report["rows"]:
         lines.append(f"| {r['server']} | {r['peak_running']} | {r['vs_n_full']} | "
-                     f"{r['identical_to_plain']}/{r['requests']} | {r['wall_s']} | "
+                     f"{identical(r)} | {r['wall_s']} | "
                      f"{r['output_tokens_per_s']} | {r['throughput_vs_plain']}x | "
                      f"{r['mean_accept_len']} |")  # fmt: skip
     return "\n".join(lines) + "\n"
+
+
+def identical(row: dict) -> str:
+    if row["identical_to_plain"] is None:
+        return "n/a (sampled)"
+    return f"{row['identical_to_plain']}/{row['requests']}"
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""The harness's view of a server: send prompts greedily, collect output token ids."""
+"""The harness's view of a server: send prompts greedily (grammar-constrained where a prompt
+says so), collect output token ids."""
 
 from __future__ import annotations
 
@@ -14,16 +15,32 @@ from sglang_vericache.exactness.server import http_json
 
 @dataclass(frozen=True, slots=True)
 class Prompt:
-    """One line of a prompts file: ``{"id"?, "prompt" | "input_ids", "max_new_tokens"?}``."""
+    """One line of a prompts file: ``{"id"?, "prompt" | "input_ids", "max_new_tokens"?,
+    "regex" | "json_schema" | "ebnf"?}`` (a grammar constrains the output; a JSON schema may
+    be an object or its JSON text). ``grammar``: (SGLang sampling field, its string) or None."""
 
     id: str
     text: str | None = None
     input_ids: tuple[int, ...] | None = None
     max_new_tokens: int | None = None
+    grammar: tuple[str, str] | None = None
 
     def __post_init__(self) -> None:
         if (self.text is None) == (self.input_ids is None):
             raise ValueError(f"prompt {self.id!r}: give exactly one of 'prompt' or 'input_ids'")
+
+
+GRAMMAR_FIELDS = ("regex", "json_schema", "ebnf")
+
+
+def _grammar(row: dict[str, Any]) -> tuple[str, str] | None:
+    given = [k for k in GRAMMAR_FIELDS if row.get(k) is not None]
+    if len(given) > 1:
+        raise ValueError(f"give at most one of {', '.join(GRAMMAR_FIELDS)}, got {given}")
+    if not given:
+        return None
+    value = row[given[0]]
+    return given[0], value if isinstance(value, str) else json.dumps(value)
 
 
 def load_prompts(path: Path) -> list[Prompt]:
@@ -41,6 +58,7 @@ def load_prompts(path: Path) -> list[Prompt]:
                     text=row.get("prompt"),
                     input_ids=tuple(int(t) for t in ids) if ids is not None else None,
                     max_new_tokens=row.get("max_new_tokens"),
+                    grammar=_grammar(row),
                 )
             )
         except (ValueError, TypeError, AttributeError) as exc:
@@ -75,6 +93,8 @@ def generate_one(
         "temperature": temperature,
         "max_new_tokens": prompt.max_new_tokens or max_new_tokens,
     }
+    if prompt.grammar is not None:
+        sampling[prompt.grammar[0]] = prompt.grammar[1]
     out = http_json(url + "/generate", _request(prompt, sampling, with_top2))
     return Generation(output_ids=tuple(out["output_ids"]), top2=_parse_top2(out["meta_info"]))
 

@@ -16,8 +16,9 @@ SERVERS = ["plain", OFFLOAD_ONLY, "vericache snapkv:ratio=0.25"]
 
 
 def _args(**over) -> argparse.Namespace:
-    base = {"prompt_tokens": 2048, "max_new_tokens": 64, "draft_len": ["6"], "no_offload_baseline": False,
-                "compressors": ["snapkv:ratio=0.25"], "n_full": [3, 6]}  # fmt: skip
+    base = {"prompt_tokens": 2048, "max_new_tokens": 64, "draft_len": ["6"], "temperature": 0.0,
+            "no_offload_baseline": False, "compressors": ["snapkv:ratio=0.25"],
+            "n_full": [3, 6]}  # fmt: skip
     return argparse.Namespace(**(base | over))
 
 
@@ -36,7 +37,8 @@ def test_keeps_the_budgets_this_run_does_not_measure(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("change", [{"max_new_tokens": 128}, {"draft_len": ["4"]},
-                                    {"compressors": ["kivi:bits=4"]}, {"no_offload_baseline": True}])
+                                    {"compressors": ["kivi:bits=4"]}, {"no_offload_baseline": True},
+                                    {"temperature": 0.7}])
 def test_refuses_a_sweep_measured_otherwise(tmp_path: Path, change: dict) -> None:
     path = tmp_path / "sweep.json"
     path.write_text(json.dumps({"sweep": [_report(2)]}))

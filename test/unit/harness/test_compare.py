@@ -69,3 +69,21 @@ def test_load_prompts_accepts_text_and_ids_and_rejects_bad_lines(tmp_path: Path)
     bad.write_text('{"prompt": "x", "input_ids": [1]}\n')
     with pytest.raises(ValueError, match="bad.jsonl:1"):
         load_prompts(bad)
+
+
+def test_load_prompts_reads_one_grammar_per_prompt(tmp_path: Path) -> None:
+    path = tmp_path / "g.jsonl"
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}}
+    path.write_text("\n".join(json.dumps(row) for row in (
+        {"prompt": "a", "regex": "(yes|no)"},
+        {"prompt": "b", "json_schema": schema},
+        {"prompt": "c", "json_schema": json.dumps(schema)},
+        {"prompt": "d"},
+    )) + "\n")  # fmt: skip
+    a, b, c, d = load_prompts(path)
+    assert a.grammar == ("regex", "(yes|no)")
+    assert b.grammar == c.grammar == ("json_schema", json.dumps(schema))
+    assert d.grammar is None
+    path.write_text(json.dumps({"prompt": "x", "regex": "a", "ebnf": "root ::= \"a\""}) + "\n")
+    with pytest.raises(ValueError, match="at most one of"):
+        load_prompts(path)
