@@ -105,7 +105,7 @@ class RequestDraftState:
         if state is not None:
             logger.warning("request %s: compressed KV out of step; rebuilding", req.rid)
         state = cls.rebuild(compressor, read, length, num_layers)
-        state.stats.mode = mode
+        state.stats.mode, state.stats.constrained = mode, getattr(req, "grammar", None) is not None
         return state
 
     def views(self) -> list[tuple[Tensor, Tensor]]:

@@ -3,7 +3,8 @@
 A step drafts GREEDY and SAMPLED rows (``srt/eligibility.py``) in the same draft forwards and
 verifies every row in one TARGET_VERIFY forward of width W::
 
-    draft column j (j = 0 .. W-2), logits [bs, V] from the compressed KV:
+    draft column j (j = 0 .. W-2), logits [bs, V] from the compressed KV (``draft_column``):
+        grammar rows  logits masked by the matcher's state there  (``verify/grammar_chain.py``)
         greedy rows   rows[i, j+1] = argmax
         sampled rows  q[:, j] = process_logits(logits[sampled], their sampling)
                       rows[i, j+1] ~ q[:, j]                      (``SampledDrafts.draft``)
@@ -31,6 +32,7 @@ from typing import Any
 import torch
 
 from sglang_vericache.verify.accept import AcceptResult, greedy_accept
+from sglang_vericache.verify.grammar_chain import GrammarChain
 from sglang_vericache.verify.rng import Randomness, RowSeeds
 from sglang_vericache.verify.sampling_probs import RowSampling, process_logits
 from sglang_vericache.verify.spec_sampling import (
@@ -39,7 +41,7 @@ from sglang_vericache.verify.spec_sampling import (
     speculative_accept,
 )
 
-__all__ = ["SampledDrafts", "accept_step", "merge_accept", "row_seeds"]
+__all__ = ["SampledDrafts", "accept_step", "draft_column", "merge_accept", "row_seeds"]
 
 
 def row_seeds(reqs: list[Any], positions: torch.Tensor) -> RowSeeds | None:
@@ -117,6 +119,25 @@ class SampledDrafts:
         draws = draw_accept_uniforms(self.randomness, n, width, logits.device)
         return speculative_accept(tokens.index_select(0, self.rows), q, p,
                                   draft_lens.index_select(0, self.rows), draws)  # fmt: skip
+
+
+def draft_column(column: int, logits: torch.Tensor, sampled: SampledDrafts | None,
+                 grammar: GrammarChain | None) -> torch.Tensor:  # fmt: skip
+    """The drafts after verify column ``column`` for every row: grammar rows' logits masked
+    first (in place), then greedy rows take the argmax and sampled rows a sample of q (kept for
+    the verify); grammar matchers then advance over their rows' drafts.
+
+    logits: [bs, V] float, one draft forward's ``next_token_logits``. Returns [bs] int64.
+    """
+    if grammar is not None:
+        grammar.fill(column)
+        grammar.apply(logits, column)
+    tokens = logits.argmax(-1)
+    if sampled is not None:
+        tokens[sampled.rows] = sampled.draft(column, logits)
+    if grammar is not None:
+        grammar.advance(column, tokens)
+    return tokens
 
 
 def merge_accept(greedy: AcceptResult, sampled: AcceptResult, rows: torch.Tensor) -> AcceptResult:

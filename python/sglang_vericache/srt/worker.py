@@ -21,11 +21,10 @@ Whether a step drafts at all, and how far, is decided per step from measured for
 decoding, the step is a plain one.
 
 Only tokens the full-KV verify decided are ever committed, so greedy output equals plain
-decoding and sampled output (temperature, top-p/k, min-p) is distributed as plain sampling.
-Rows that are not drafted (penalties, grammar, ...: ``srt/eligibility.py``) ride in the same
-verify with no drafts and take one token from SGLang's sampler at its first column
-(``srt/row_sampling.py``); a batch with no drafted row runs SGLang's own one-token decode
-forward. Logprobs of every committed token come from the verify logits.
+decoding and sampled output is distributed as plain sampling; grammar rows are masked along the
+chain (``verify/grammar_chain.py``). Rows not drafted (penalties, ...: ``srt/eligibility.py``)
+take one token from SGLang's sampler at the verify's first column (``srt/row_sampling.py``).
+Logprobs of every committed token come from the verify logits.
 """
 
 from __future__ import annotations
@@ -66,7 +65,7 @@ from sglang_vericache.srt.metrics import VeriCacheExporter, request_meta_info
 from sglang_vericache.srt.offloader import PoolOffloader
 from sglang_vericache.srt.patches import publish_meta_info
 from sglang_vericache.srt.plugin import vericache_config
-from sglang_vericache.srt.row_acceptance import SampledDrafts
+from sglang_vericache.srt.row_acceptance import SampledDrafts, draft_column
 from sglang_vericache.srt.row_sampling import commit_verify
 from sglang_vericache.srt.step_costs import (
     draft_shape,
@@ -242,9 +241,8 @@ class VeriCacheWorker(BaseSpecWorker):
     # -- prefill -----------------------------------------------------------------------------
 
     def _prefill(self, batch, pp_proxy_tensors):
-        # SGLang turns its prefill-only path (no sampling, no output logprob) off whenever a
-        # speculative algorithm is set; requests with max_new_tokens 0 never decode, so they
-        # take it here exactly as without --vericache.
+        # SGLang's prefill-only path (no sampling, no output logprob) is off under any spec
+        # algorithm; max_new_tokens 0 never decodes, so it takes that path as without us.
         batch.is_prefill_only = all(prefill_only(r) for r in batch.reqs)
         self.attn.capture = QueryCapture(OBS_WINDOW)
         try:
@@ -339,15 +337,8 @@ class VeriCacheWorker(BaseSpecWorker):
                 out = self.target_worker.forward_batch_generation(batch, is_verify=True)
                 self.draft_length.observe_forward(ForwardKind.DRAFT, draft_shape(view_tokens, j),
                                                   time.perf_counter() - started)  # fmt: skip
-                logits = out.logits_output.next_token_logits  # [bs, V]
-                if grammar is not None:
-                    grammar.fill(j)
-                    grammar.apply(logits, j)
-                rows[:, j + 1] = logits.argmax(-1)
-                if sampled is not None:
-                    rows[sampled.rows, j + 1] = sampled.draft(j, logits)
-                if grammar is not None:
-                    grammar.advance(j, rows[:, j + 1])
+                rows[:, j + 1] = draft_column(j, out.logits_output.next_token_logits, sampled,
+                                              grammar)  # fmt: skip
             if grammar is not None:
                 grammar.fill(rows.shape[1] - 1)
         finally:

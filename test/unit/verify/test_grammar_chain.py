@@ -1,4 +1,4 @@
-"""Grammar masks along a draft chain (``verify/grammar_chain.py``).
+"""Grammar masks along a draft chain (``verify/grammar_chain.py``, ``draft_column``).
 
 The property that matters: a constrained greedy row drafted from *wrong* logits and verified by
 greedy acceptance over masked full logits commits exactly the tokens that plain masked greedy
@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 import pytest
+from sglang_vericache.srt.row_acceptance import draft_column
 from sglang_vericache.verify.accept import greedy_accept
 from sglang_vericache.verify.grammar_chain import GrammarChain
 
@@ -107,10 +108,7 @@ def drafted_masked_greedy(grammar, prompt: tuple[int, ...], steps: int, drafts: 
             for j in range(drafts):
                 logits = logits_after(prompt + tuple(out) + tuple(rows[0, 1:j + 1].tolist()),
                                       salt=1, vocab=vocab)[None].clone()  # fmt: skip
-                chain.fill(j)
-                chain.apply(logits, j)
-                rows[0, j + 1] = logits.argmax(-1)
-                chain.advance(j, rows[:, j + 1])
+                rows[:, j + 1] = draft_column(j, logits, None, chain)  # the worker's own step
             chain.fill(width - 1)
             chain.check_integrity()
         finally:
