@@ -9,8 +9,8 @@ number of leading correct drafts: the accepted drafts (which equal
 token (every draft matched). So the committed tokens are always a prefix of
 the verifier's predictions, and greedy output equals full-KV decoding.
 
-Rows may carry fewer real drafts than ``D - 1`` (adaptive draft length, a
-draft stopped at EOS): ``draft_lens`` says how many; whatever sits after them
+Rows may carry fewer real drafts than ``D - 1`` (plain rows, a grammar chain cut
+at termination): ``draft_lens`` says how many; whatever sits after them
 is never read as a draft, whatever its value (so no padding sentinel).
 """
 
@@ -20,12 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = [
-    "AcceptResult",
-    "greedy_accept",
-    "clip_draft_lens_at_stop",
-    "truncate_committed",
-]
+__all__ = ["AcceptResult", "greedy_accept"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,67 +110,3 @@ def greedy_accept(
     leading = (match & real).to(torch.int32).cumprod(dim=1).sum(dim=1, dtype=torch.int32)
     accept_lens = (leading + 1).to(torch.int32)
     return AcceptResult(accept_lens=accept_lens, committed=predict, bonus=leading == lens)
-
-
-def clip_draft_lens_at_stop(
-    drafts: torch.Tensor, draft_lens: torch.Tensor, stop_token_ids: torch.Tensor
-) -> torch.Tensor:
-    """Shorten draft lengths so that a draft ends at its first stop token.
-
-    The paper drafts "stopping early at EOS": tokens drafted after a stop
-    token can never be committed usefully, so they are not verified.
-
-    drafts: [bs, n] integer, drafted tokens (without the last committed token).
-    draft_lens: [bs] integer in ``[0, n]``, real drafts per row.
-    stop_token_ids: [k] integer (k may be 0), tokens that end generation.
-
-    Returns [bs] int32: ``min(draft_lens[i], 1 + index of the first stop
-    token among the real drafts of row i)``; the stop token itself is kept.
-    """
-    _check_integer("drafts", drafts)
-    _check_integer("draft_lens", draft_lens)
-    bs, n = drafts.shape
-    lens = draft_lens.to(dtype=torch.int32, device=drafts.device)
-    if stop_token_ids.numel() == 0 or n == 0:
-        return lens.clone()
-    is_stop = torch.isin(drafts, stop_token_ids.to(drafts.device))
-    pos = torch.arange(n, device=drafts.device, dtype=torch.int32).unsqueeze(0)
-    is_stop &= pos < lens.unsqueeze(1)
-    # Position of the first stop token, or n when there is none.
-    first = torch.where(is_stop, pos.expand(bs, n), torch.full_like(pos, n).expand(bs, n))
-    first_stop = first.min(dim=1).values
-    return torch.minimum(lens, torch.where(first_stop < n, first_stop + 1, lens))
-
-
-def truncate_committed(
-    committed: torch.Tensor,
-    accept_lens: torch.Tensor,
-    stop_token_ids: torch.Tensor | None = None,
-    remaining: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Cut each row's committed run at its first stop token and at a budget.
-
-    SGLang's ``update_finish_state`` already trims output after EOS, stop
-    strings and ``max_new_tokens``; this helper lets the worker avoid
-    appending KV (host tier, compressed window) and counting stats for tokens
-    that the scheduler will throw away. Stop *strings* are left to SGLang.
-
-    committed: [bs, D] integer, committed tokens (``AcceptResult.committed``).
-    accept_lens: [bs] integer in ``[1, D]``.
-    stop_token_ids: [k] integer or None; the stop token itself is kept.
-    remaining: [bs] integer >= 1 or None, tokens the request may still emit
-        (``max_new_tokens - len(output_ids)``).
-
-    Returns [bs] int32 lengths in ``[1, accept_lens[i]]``.
-    """
-    _check_integer("committed", committed)
-    _check_integer("accept_lens", accept_lens)
-    lens = accept_lens.to(dtype=torch.int32, device=committed.device)
-    if stop_token_ids is not None:
-        lens = clip_draft_lens_at_stop(committed, lens, stop_token_ids)
-    if remaining is not None:
-        _check_integer("remaining", remaining)
-        if remaining.numel() and int(remaining.min()) < 1:
-            raise ValueError("remaining must be >= 1 for a running request")
-        lens = torch.minimum(lens, remaining.to(dtype=torch.int32, device=committed.device))
-    return lens

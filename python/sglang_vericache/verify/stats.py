@@ -7,8 +7,7 @@ Prometheus; nothing here imports prometheus.
 
 from __future__ import annotations
 
-import bisect
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum
 
 __all__ = [
@@ -16,7 +15,6 @@ __all__ = [
     "DecodeMode",
     "VerifyRecord",
     "VeriCacheStats",
-    "VeriCacheMetrics",
 ]
 
 # Upper bounds (inclusive, Prometheus "le") of the acceptance-length histogram.
@@ -159,71 +157,3 @@ class VeriCacheStats:
             assert self.verify_steps == 0 and self.drafted == 0
         else:
             assert not self.plain_reason
-
-
-@dataclass(slots=True)
-class VeriCacheMetrics:
-    """Server-wide totals plus the acceptance-length histogram.
-
-    Not thread-safe: the scheduler process owns it and the glue reads it
-    between steps. Histogram semantics match Prometheus: ``bucket_counts[i]``
-    counts observations ``<= ACCEPT_LEN_BUCKETS[i]`` (cumulative via
-    :meth:`cumulative_buckets`), ``overflow`` those above the last bound.
-    """
-
-    drafted: int = 0
-    accepted: int = 0
-    committed: int = 0
-    verify_steps: int = 0
-    bytes_fetched: int = 0
-    wait_full_s: float = 0.0
-    fetch_failures: int = 0
-    requests_greedy: int = 0
-    requests_sampled: int = 0
-    requests_plain: int = 0
-    bucket_counts: list[int] = field(default_factory=lambda: [0] * len(ACCEPT_LEN_BUCKETS))
-    overflow: int = 0
-
-    def observe_verify(self, rec: VerifyRecord) -> None:
-        """Add one verification of any request."""
-        self.drafted += rec.drafted
-        self.accepted += rec.accepted
-        self.committed += rec.committed
-        self.verify_steps += 1
-        self.bytes_fetched += rec.bytes_fetched
-        self.wait_full_s += rec.wait_full_s
-        i = bisect.bisect_left(ACCEPT_LEN_BUCKETS, rec.committed)
-        if i < len(ACCEPT_LEN_BUCKETS):
-            self.bucket_counts[i] += 1
-        else:
-            self.overflow += 1
-
-    def observe_fetch_failure(self) -> None:
-        """Count a failed full-KV transfer (fallback to recompute)."""
-        self.fetch_failures += 1
-
-    def observe_request(self, mode: DecodeMode) -> None:
-        """Count a request when it is admitted, by how it is decoded."""
-        name = f"requests_{mode.name.lower()}"
-        setattr(self, name, getattr(self, name) + 1)
-
-    def cumulative_buckets(self) -> list[tuple[float, int]]:
-        """[(le, cumulative count)] including ``(inf, verify_steps)``."""
-        out: list[tuple[float, int]] = []
-        running = 0
-        for bound, count in zip(ACCEPT_LEN_BUCKETS, self.bucket_counts):
-            running += count
-            out.append((float(bound), running))
-        out.append((float("inf"), running + self.overflow))
-        return out
-
-    def check_integrity(self) -> None:
-        """Raise AssertionError if totals and histogram disagree."""
-        assert len(self.bucket_counts) == len(ACCEPT_LEN_BUCKETS)
-        assert all(c >= 0 for c in self.bucket_counts) and self.overflow >= 0
-        assert sum(self.bucket_counts) + self.overflow == self.verify_steps
-        assert self.accepted <= self.drafted
-        assert self.committed == self.accepted + self.verify_steps
-        assert min(self.bytes_fetched, self.fetch_failures, self.requests_greedy,
-                   self.requests_sampled, self.requests_plain) >= 0  # fmt: skip
-        assert self.wait_full_s >= 0.0

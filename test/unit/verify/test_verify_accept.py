@@ -4,12 +4,7 @@ import random
 
 import pytest
 import torch
-
-from sglang_vericache.verify.accept import (
-    clip_draft_lens_at_stop,
-    greedy_accept,
-    truncate_committed,
-)
+from sglang_vericache.verify.accept import greedy_accept
 
 
 def _reference_accept(row: list[int], pred: list[int], n: int) -> int:
@@ -121,47 +116,3 @@ def test_invalid_inputs_raise() -> None:
     with pytest.raises(ValueError):
         greedy_accept(torch.zeros(1, 3, dtype=torch.long), torch.zeros(1, 3, dtype=torch.long),
                       torch.tensor([0, 1]))
-
-
-def _reference_clip(row: list[int], n: int, stops: set[int]) -> int:
-    for j in range(n):
-        if row[j] in stops:
-            return j + 1
-    return n
-
-
-@pytest.mark.parametrize("seed", range(20))
-def test_clip_draft_lens_at_stop_matches_reference(seed: int) -> None:
-    rng = random.Random(seed)
-    bs, n = rng.randint(1, 6), rng.randint(0, 8)
-    drafts = [[rng.randrange(6) for _ in range(n)] for _ in range(bs)]
-    lens = [rng.randint(0, n) for _ in range(bs)]
-    stops = set(rng.sample(range(6), rng.randint(0, 2)))
-    got = clip_draft_lens_at_stop(torch.tensor(drafts, dtype=torch.long).view(bs, n),
-                                  torch.tensor(lens), torch.tensor(sorted(stops), dtype=torch.long))
-    assert got.dtype == torch.int32
-    assert got.tolist() == [_reference_clip(drafts[i], lens[i], stops) for i in range(bs)]
-
-
-def test_truncate_committed_at_stop_and_budget() -> None:
-    committed = torch.tensor([[4, 0, 5, 6], [4, 5, 6, 7], [0, 1, 2, 3]])
-    accept_lens = torch.tensor([4, 4, 2], dtype=torch.int32)
-    eos = torch.tensor([0])
-    assert truncate_committed(committed, accept_lens, eos).tolist() == [2, 4, 1]
-    remaining = torch.tensor([10, 3, 5])
-    assert truncate_committed(committed, accept_lens, eos, remaining).tolist() == [2, 3, 1]
-    assert truncate_committed(committed, accept_lens).tolist() == [4, 4, 2]
-    with pytest.raises(ValueError):
-        truncate_committed(committed, accept_lens, None, torch.tensor([0, 1, 1]))
-
-
-def test_accept_on_result_of_stop_clip_pipeline() -> None:
-    # Draft stopped at EOS (token 0): the verify row carries 2 real drafts.
-    drafts = torch.tensor([[3, 0, 9, 9]])
-    lens = clip_draft_lens_at_stop(drafts, torch.tensor([4]), torch.tensor([0]))
-    assert lens.tolist() == [2]
-    rows = torch.cat([torch.tensor([[7]]), drafts], dim=1)
-    pred = torch.tensor([[3, 0, 9, 9, 1]])
-    res = greedy_accept(rows, pred, lens)
-    assert res.accept_lens.tolist() == [3] and res.row_tokens(0) == [3, 0, 9]
-    assert truncate_committed(res.committed, res.accept_lens, torch.tensor([0])).tolist() == [2]

@@ -1,14 +1,11 @@
 from __future__ import annotations
 
 import json
-import random
 
 import pytest
-
 from sglang_vericache.verify.stats import (
     ACCEPT_LEN_BUCKETS,
     DecodeMode,
-    VeriCacheMetrics,
     VeriCacheStats,
     VerifyRecord,
 )
@@ -54,47 +51,6 @@ def test_plain_request_says_why() -> None:
     with pytest.raises(ValueError):
         VeriCacheStats.plain("")
     s.check_integrity()
-
-
-def test_histogram_bucket_placement() -> None:
-    m = VeriCacheMetrics()
-    for committed in (1, 2, 7, 8, 9, 64, 65, 200):
-        m.observe_verify(VerifyRecord(drafted=committed - 1 + 3, committed=committed,
-                                      bytes_fetched=1, wait_full_s=0.1))
-        m.check_integrity()
-    cum = dict(m.cumulative_buckets())
-    assert cum[1.0] == 1 and cum[2.0] == 2 and cum[6.0] == 2 and cum[8.0] == 4
-    assert cum[12.0] == 5 and cum[64.0] == 6 and cum[float("inf")] == 8
-    assert m.overflow == 2 and m.committed == sum((1, 2, 7, 8, 9, 64, 65, 200))
-
-
-@pytest.mark.parametrize("seed", range(5))
-def test_metrics_agree_with_per_request_stats(seed: int) -> None:
-    rng = random.Random(seed)
-    m = VeriCacheMetrics()
-    per_request = [VeriCacheStats() for _ in range(5)]
-    for s in per_request:
-        m.observe_request(DecodeMode.GREEDY)
-    m.observe_request(DecodeMode.PLAIN)
-    m.observe_request(DecodeMode.SAMPLED)
-    for _ in range(200):
-        drafted = rng.randint(0, 70)
-        rec = VerifyRecord(drafted=drafted, committed=rng.randint(1, drafted + 1),
-                           bytes_fetched=rng.randint(0, 10**6), wait_full_s=rng.random())
-        s = rng.choice(per_request)
-        s.record(rec)
-        m.observe_verify(rec)
-        if rng.random() < 0.05:
-            s.record_fetch_failure()
-            m.observe_fetch_failure()
-        s.check_integrity()
-        m.check_integrity()
-    for field in ("drafted", "accepted", "committed", "verify_steps", "bytes_fetched",
-                  "fetch_failures"):
-        assert getattr(m, field) == sum(getattr(s, field) for s in per_request)
-    assert m.wait_full_s == pytest.approx(sum(s.wait_full_s for s in per_request))
-    assert (m.requests_greedy, m.requests_sampled, m.requests_plain) == (5, 1, 1)
-    assert m.cumulative_buckets()[-1][1] == m.verify_steps
 
 
 def test_sampled_requests_record_verifications_and_report_their_mode() -> None:
