@@ -116,15 +116,26 @@ def test_each_row_decodes_greedy_sampled_or_plain(sampling: dict, mode: str,
     assert decode_mode(req).value == mode
 
 
-def test_grammar_rows_stay_plain_and_step_rows_split_a_batch() -> None:
-    from sglang_vericache.srt.eligibility import StepRows
+def test_grammar_rows_draft_when_their_backend_rolls_back_and_step_rows_split_a_batch() -> None:
+    from sglang.srt.constrained.base_grammar_backend import BaseGrammarObject
+    from sglang_vericache.srt.eligibility import StepRows, plain_reason
 
-    grammar = _req(temperature=0.7)
-    grammar.grammar = object()
-    batch = [_req(temperature=0), grammar, _req(temperature=0.7), _req(presence_penalty=0.5)]
+    class RollsBack(BaseGrammarObject):  # xgrammar, llguidance
+        def rollback(self, k: int) -> None:
+            pass
+
+    class Outlines(BaseGrammarObject):  # no rollback: cannot follow a draft chain
+        pass
+
+    drafted, plain = _req(temperature=0.7), _req(temperature=0)
+    drafted.grammar, plain.grammar = RollsBack(), Outlines()
+    assert plain_reason(drafted) is None and "rollback" in plain_reason(plain)
+    batch = [_req(temperature=0), drafted, _req(temperature=0.7), _req(presence_penalty=0.5),
+             plain]  # fmt: skip
     step = StepRows.of(batch)
-    assert (step.drafted, step.sampled, step.plain) == ([0, 2], [2], [1, 3])
-    assert StepRows.of(batch, drafting=False).plain == [0, 1, 2, 3]
+    assert (step.drafted, step.sampled, step.plain) == ([0, 1, 2], [1, 2], [3, 4])
+    assert step.grammar == [1]
+    assert StepRows.of(batch, drafting=False).plain == [0, 1, 2, 3, 4]
     batch[0].return_hidden_states = True
     assert StepRows.of(batch).drafted == []
 

@@ -56,7 +56,8 @@ def rolls_back(grammar: Any) -> bool:
     (``verify/grammar_chain.py``): xgrammar and llguidance can; outlines cannot."""
     from sglang.srt.constrained.base_grammar_backend import BaseGrammarObject
 
-    return type(grammar).rollback is not BaseGrammarObject.rollback
+    rollback = getattr(type(grammar), "rollback", BaseGrammarObject.rollback)
+    return rollback is not BaseGrammarObject.rollback
 
 
 def decode_mode(req: Any) -> DecodeMode:
