@@ -221,6 +221,9 @@ def test_count_and_status_checks() -> None:
     assert problems(sampled, Reply(200, gen_item([1, 2])), Reply(200, gen_item([3, 4]))) == []
     assert problems(sampled, Reply(200, gen_item([1, 2])), Reply(200, gen_item([3]))) == [
         fc.COUNT_MISMATCH]  # fmt: skip
+    for tag in ("grammar", "stop"):  # a sample may end wherever a token completes them
+        ends = FuzzCase(0, "sampled", GENERATE, {"text": "x"}, COUNT, (tag,))
+        assert problems(ends, Reply(200, gen_item([1, 2])), Reply(200, gen_item([3]))) == []
     dis = FuzzCase(0, "disconnect", GENERATE, {"stream": True}, STATUS, disconnect_after=1)
     assert problems(dis, Reply(200, [gen_item([1])]), Reply(200, [gen_item([5])])) == []
     n = problems(GREEDY, Reply(200, [gen_item([1]), gen_item([1])]), Reply(200, [gen_item([1])]))
