@@ -150,14 +150,15 @@ class VeriCacheRadixCache(RadixCache):
         if self.remote is None or self.disable or req is None or not _tier_eligible(req):
             return result
         hit = self.remote.probe(req.rid, params.key.raw_token_ids(), result.device_prefix_len)
+        hit = hit // self.page_size * self.page_size  # init_load_back loads whole pages only
         return result._replace(host_hit_length=hit) if hit > 0 else result
 
     def init_load_back(self, params: Any) -> tuple[int, Any] | None:
         req, node = params.req, params.best_match_node
         if self.remote is None or req is None:
             return 0, node
-        start = int(req.prefix_len)
-        kv = self.remote.take(req.rid, start)
+        start, promised = int(req.prefix_len), int(params.host_hit_length)
+        kv = self.remote.take(req.rid, start, promised)
         if kv is False:
             if self.ahead is not None:
                 self.ahead.start(req.rid, req.origin_input_ids, req.sampling_params.max_new_tokens,
@@ -168,9 +169,10 @@ class VeriCacheRadixCache(RadixCache):
             self.ahead.halt(req.rid)  # the full KV is here: stop competing with its prefill
         if kv is None:
             return 0, node  # miss or failure: recompute
-        n = kv.shape[3] // self.page_size * self.page_size
-        slots = self.token_to_kv_pool_allocator.alloc(n) if n else None
-        if slots is None and n:
+        # SGLang raises unless exactly `promised` tokens (or none) are loaded: all or nothing.
+        n = promised
+        slots = self.token_to_kv_pool_allocator.alloc(n)
+        if slots is None:
             self.evict(EvictParams(num_tokens=n))
             slots = self.token_to_kv_pool_allocator.alloc(n)
         if slots is None:

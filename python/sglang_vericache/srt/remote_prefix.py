@@ -10,11 +10,18 @@ background, then ``take`` hands over the verified KV to load into the pool::
     probe #1   no state      -> submit lookup(chunks past the device match); report them all
     probe #k   lookup done   -> submit fetch(leading stored chunks) or report 0 (recompute)
     probe #n   fetch done    -> report exactly the chunks that arrived verified
-    take       fetched KV [L, 2, H_kv, n, D] of positions [device match, end)
+    take(n)    fetched KV [L, 2, H_kv, n, D] of positions [device match, device match + n)
+
+A hit is all-or-nothing for exactly the length reported: SGLang treats loading fewer tokens
+than ``probe`` promised as fatal. When a fetch lands short between a probe that reported the
+whole lookup and the ``take`` that follows it (a chunk evicted after the lookup, a corrupt
+middle chunk), ``take`` answers "not yet" and the request's next probe reports what arrived.
 
 Every failure (dead server, timeout, corrupt chunk, geometry mismatch, full tier) ends as
 "report 0 / fewer chunks": SGLang recomputes the rest, output is unchanged. Nothing here
-blocks on the network: the tier client runs its own I/O thread (submit/poll). ``tier_up`` says
+blocks on the network: the tier client runs its own I/O thread (submit/poll). A lookup is
+bounded (``LinkBounds``): a hung KV server costs a waiting request one deadline, not the
+client's timeout, and a tier that failed is not asked again for a while. ``tier_up`` says
 whether the tier's latest finished task got through (the prefix cache then keeps a finished
 request's full KV on the device instead of relying on the tier for it).
 
@@ -45,7 +52,31 @@ from sglang_vericache.tier.keys import ChunkKey
 logger = logging.getLogger(__name__)
 
 STORED_KEYS_REMEMBERED = 65536  # digests known to be in the tier (skips re-sending a prefix)
-PENDING_TTL_S = 600.0  # a waiting request that vanished (aborted in the queue) is forgotten
+
+
+@dataclass(frozen=True, slots=True)
+class LinkBounds:
+    """How long admission may wait on the tier.
+
+    lookup_deadline_s: a lookup still unanswered after this is cancelled and the request
+        recomputes (a hung KV server answers nothing; the client's own timeout is 30 s, and a
+        waiting request holds SGLang's admission loop while it waits).
+    retry_down_after_s: after a failed or overdue task the tier counts as down: probes report
+        0 without contacting it until this long has passed, then one probe tries again.
+    forget_unprobed_after_s: a waiting request the scheduler has not probed for this long is
+        forgotten with its fetched KV (SGLang tells the prefix cache nothing when a request is
+        aborted in the queue); one that was only waiting long starts its lookup again.
+    """
+
+    lookup_deadline_s: float = 1.0
+    retry_down_after_s: float = 5.0
+    forget_unprobed_after_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if min(self.lookup_deadline_s, self.forget_unprobed_after_s) <= 0:
+            raise ValueError("lookup_deadline_s and forget_unprobed_after_s must be > 0")
+        if self.retry_down_after_s < 0:
+            raise ValueError("retry_down_after_s must be >= 0")
 
 
 @dataclass(slots=True)
@@ -58,7 +89,8 @@ class _Pending:
     phase: str  # "lookup" | "fetch" | "ready" | "miss"
     dst: list[Tensor] = field(default_factory=list)
     chunks_ok: int = 0
-    created: float = field(default_factory=time.monotonic)
+    created: float = field(default_factory=time.monotonic)  # also: when the lookup started
+    probed: float = field(default_factory=time.monotonic)  # the scheduler's latest probe
     fetch_started: float = 0.0
 
 
@@ -67,6 +99,8 @@ class RemoteCounters:
     lookups: int = 0
     hits_tokens: int = 0
     fetch_failures: int = 0
+    overdue_lookups: int = 0
+    probes_skipped_down: int = 0
     puts: int = 0
     put_failures: int = 0
 
@@ -83,10 +117,13 @@ class RemotePrefixLink:
     """
 
     def __init__(self, tier: FullKVTier, geometry_now: Callable[[], KVGeometry] | None = None,
-                 reopen: Callable[[KVGeometry], FullKVTier] | None = None) -> None:
+                 reopen: Callable[[KVGeometry], FullKVTier] | None = None,
+                 bounds: LinkBounds = LinkBounds()) -> None:  # fmt: skip
         if (geometry_now is None) != (reopen is None):
             raise ValueError("geometry_now and reopen go together")
         self.tier = tier
+        self.bounds = bounds
+        self._down_until = 0.0  # monotonic time before which the tier is not contacted
         self.geometry: KVGeometry = tier.geometry
         self._geometry_now = geometry_now
         self._reopen = reopen
@@ -126,34 +163,40 @@ class RemotePrefixLink:
             end = len(tokens) // self.chunk * self.chunk
             if end <= device_len:
                 return 0
+            if time.monotonic() < self._down_until:
+                self.counters.probes_skipped_down += 1
+                return 0  # known down: recompute without asking it
             keys = chunk_keys(self.geometry, list(tokens[:end]))[first:]
             state = _Pending(first, keys, self.tier.submit_lookup(keys), "lookup")
             self.pending[rid] = state
             self.counters.lookups += 1
+        state.probed = time.monotonic()
         if state.phase == "miss":
             return 0
         end_chunks = len(state.keys) if state.phase != "ready" else state.chunks_ok
         return max((state.first_chunk + end_chunks) * self.chunk - device_len, 0)
 
-    def take(self, rid: str, device_len: int) -> Tensor | None | bool:
-        """The fetched KV of positions [device_len, end): [L, 2, H_kv, n, D] on the host.
+    def take(self, rid: str, device_len: int, length: int) -> Tensor | None | bool:
+        """The fetched KV of positions [device_len, device_len + length): [L, 2, H_kv, length,
+        D] on the host, ``length`` being what the latest ``probe`` reported.
 
-        Returns False while still in flight (retry later), None on a miss (recompute).
-        The request's state is consumed either way except when in flight.
+        Returns False while in flight, or when fewer than ``length`` tokens arrived (the next
+        probe reports what did; retry then), None on a miss (recompute). Consumes the
+        request's state only when it returns the KV or None.
         """
         self.poll()
         state = self.pending.get(rid)
-        if state is None or state.phase == "miss":
+        if state is None or state.phase == "miss" or length <= 0:
             self.pending.pop(rid, None)
             return None
         if state.phase != "ready":
             return False
-        del self.pending[rid]
         start = device_len - state.first_chunk * self.chunk
-        kv = torch.cat(state.dst[: state.chunks_ok], dim=3)[..., start:, :]
-        if kv.shape[3] <= 0:
-            return None
-        self.counters.hits_tokens += kv.shape[3]
+        if start < 0 or start + length > state.chunks_ok * self.chunk:
+            return False  # promised more than arrived: re-probe, never load short
+        del self.pending[rid]
+        kv = torch.cat(state.dst[: state.chunks_ok], dim=3)[..., start : start + length, :]
+        self.counters.hits_tokens += length
         return kv
 
     def forget(self, rid: str) -> None:
@@ -191,12 +234,14 @@ class RemotePrefixLink:
         """Apply every finished tier task (never blocks); forget long-abandoned requests."""
         self._follow_identity()
         now = time.monotonic()
-        for rid in [r for r, s in self.pending.items() if now - s.created > PENDING_TTL_S]:
+        ttl = self.bounds.forget_unprobed_after_s
+        for rid in [r for r, s in self.pending.items() if now - s.probed > ttl]:
             self.forget(rid)
+        self._expire_overdue_lookups(now)
         by_task = {s.task: (rid, s) for rid, s in self.pending.items() if s.task is not None}
         for task_id, result in self.tier.poll().items():
             if result.status is not TaskStatus.CANCELLED:
-                self.tier_up = result.status is TaskStatus.DONE
+                self._mark(result.status is TaskStatus.DONE)
             self._follow_epoch(result.epoch)
             put = self._puts.pop(task_id, None)
             if put is not None:
@@ -227,6 +272,27 @@ class RemotePrefixLink:
             else:
                 state.chunks_ok, state.phase = n_ok, "ready"
                 self._observe_fetch(state)
+
+    def _mark(self, up: bool) -> None:
+        """The tier answered (up) or failed / overran a deadline (down, for a while)."""
+        self.tier_up = up
+        if not up:
+            self._down_until = time.monotonic() + self.bounds.retry_down_after_s
+
+    def _expire_overdue_lookups(self, now: float) -> None:
+        """Lookups past their deadline: cancel, recompute, and treat the tier as down."""
+        deadline = self.bounds.lookup_deadline_s
+        for rid, state in self.pending.items():
+            if state.phase != "lookup" or now - state.created <= deadline:
+                continue
+            if state.task is not None:
+                self.tier.cancel(state.task)
+            state.task, state.phase = None, "miss"
+            self.counters.overdue_lookups += 1
+            self._mark(False)
+            logger.warning("tier lookup for request %s unanswered after %.1f s: recomputing, "
+                           "and not asking the tier for %.0f s", rid, deadline,
+                           self.bounds.retry_down_after_s)  # fmt: skip
 
     def _observe_fetch(self, state: _Pending) -> None:
         seconds = time.monotonic() - state.fetch_started

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 import torch
-from sglang_vericache.srt.remote_prefix import RemotePrefixLink
+from sglang_vericache.srt.remote_prefix import LinkBounds, RemotePrefixLink
 from sglang_vericache.tier.client import ZmqTier
 from sglang_vericache.tier.host import HostTier
 from tier_testlib import TINY, ServerProcess
@@ -40,9 +40,35 @@ def test_written_prefix_is_fetched_exactly_past_the_device_match() -> None:
     assert link.write_through(tokens, lambda s, e: kv[..., s:e, :]) == 0  # already stored
     turn2 = tokens + [7, 7, 7]
     assert _settle(link, "r", turn2, device_len=5) == 3 * C - 5
-    got = link.take("r", 5)
+    got = link.take("r", 5, 3 * C - 5)
     assert torch.equal(got, kv[..., 5 : 3 * C, :])  # exactly the positions past the match
     assert "r" not in link.pending and link.counters.hits_tokens == 3 * C - 5
+
+
+def test_a_fetch_that_lands_short_is_never_loaded_short() -> None:
+    """The probe that saw the lookup in flight reported every chunk; the fetch then lands with
+    only the first (the middle one was evicted after the lookup). ``take`` of the promised
+    length says "not yet" (SGLang would raise on a short load); the next probe reports exactly
+    what arrived, and ``take`` of that length returns it."""
+    tier = HostTier(TINY, capacity_bytes=1 << 20)
+    link = RemotePrefixLink(tier)
+    tokens = list(range(300, 300 + 3 * C))
+    kv = _sequence_kv(len(tokens))
+    link.write_through(tokens, lambda s, e: kv[..., s:e, :])
+    link.poll()  # the put is published
+    turn2 = tokens + [9]
+    promised = link.probe("r", turn2, device_len=3)
+    assert promised == 3 * C - 3  # lookup in flight: the whole stored prefix
+    middle = link.pending["r"].keys[1]
+    assert tier._store.remove(middle.digest)  # evicted between lookup and fetch
+    assert link.take("r", 3, promised) is False  # lookup done, fetch submitted
+    assert link.take("r", 3, promised) is False  # fetch landed with 1 of 3 chunks: not short
+    assert "r" in link.pending
+    exact = link.probe("r", turn2, device_len=3)
+    assert exact == C - 3
+    got = link.take("r", 3, exact)
+    assert torch.equal(got, kv[..., 3:C, :]) and "r" not in link.pending
+    assert link.counters.hits_tokens == C - 3
 
 
 def test_other_tokens_miss_and_report_zero() -> None:
@@ -51,7 +77,7 @@ def test_other_tokens_miss_and_report_zero() -> None:
     link.write_through(tokens, lambda s, e: _sequence_kv(e)[..., s:e, :])
     other = [1] + tokens[1:]  # one different first token: every chained key differs
     assert _settle(link, "x", other, 0) == 0
-    assert link.take("x", 0) is None
+    assert link.take("x", 0, 0) is None
     assert link.probe("short", tokens[:C - 1], 0) == 0  # less than a chunk: no lookup at all
 
 
@@ -62,7 +88,7 @@ def test_dead_server_fails_over_to_recompute() -> None:
     tokens = list(range(24))
     link.write_through(tokens, lambda s, e: _sequence_kv(e)[..., s:e, :])
     assert _settle(link, "warm", tokens, 0) == 3 * C  # stored and found
-    link.take("warm", 0)
+    link.take("warm", 0, 3 * C)
     assert link.tier_up
     server.kill()
     assert _settle(link, "after", tokens, 0, timeout=15) == 0  # lookup failed: recompute
@@ -70,6 +96,58 @@ def test_dead_server_fails_over_to_recompute() -> None:
     assert not link.tier_up  # the prefix cache now keeps finished requests' full KV itself
     link.close()
     server.stop()
+
+
+def test_hung_server_costs_one_lookup_deadline_then_is_left_alone() -> None:
+    """A KV server that is alive but answers nothing (SIGSTOP): the waiting request gives up
+    after the lookup deadline, not the client's 30 s timeout; later probes do not contact the
+    tier until the retry delay has passed, and then find the prefix again."""
+    import os
+    import signal
+
+    server = ServerProcess()
+    tier = ZmqTier(server.endpoint, TINY, timeout_s=30.0, connect_timeout_s=30.0)
+    link = RemotePrefixLink(tier, bounds=LinkBounds(lookup_deadline_s=0.3, retry_down_after_s=1.0))
+    tokens = list(range(24))
+    link.write_through(tokens, lambda s, e: _sequence_kv(e)[..., s:e, :])
+    assert _settle(link, "warm", tokens + [1], 0) == 3 * C
+    link.take("warm", 0, 3 * C)
+    os.kill(server.proc.pid, signal.SIGSTOP)
+    try:
+        start = time.monotonic()
+        assert link.probe("hung", tokens + [2], 0) == 3 * C  # lookup in flight
+        assert _settle(link, "hung", tokens + [2], 0, timeout=5) == 0
+        assert time.monotonic() - start < 3.0 and link.counters.overdue_lookups == 1
+        assert link.take("hung", 0, 0) is None and not link.tier_up
+        lookups = link.counters.lookups
+        assert link.probe("while-down", tokens + [3], 0) == 0  # not asked: known down
+        assert link.counters.lookups == lookups and link.counters.probes_skipped_down == 1
+    finally:
+        os.kill(server.proc.pid, signal.SIGCONT)
+    time.sleep(1.1)  # the retry delay passes
+    assert _settle(link, "back", tokens + [4], 0) == 3 * C
+    assert link.tier_up
+    link.close()
+    server.stop()
+
+
+def test_a_request_no_longer_probed_is_forgotten_with_its_buffers() -> None:
+    """Aborted while queued: SGLang never calls the prefix cache again for it. Its fetched KV
+    goes once it has not been probed for the bound; a live request probed meanwhile stays."""
+    link = RemotePrefixLink(HostTier(TINY, capacity_bytes=1 << 20),
+                            bounds=LinkBounds(forget_unprobed_after_s=0.3))  # fmt: skip
+    tokens = list(range(600, 600 + 2 * C))
+    link.write_through(tokens, lambda s, e: _sequence_kv(e)[..., s:e, :])
+    link.poll()
+    for rid in ("aborted", "alive"):
+        assert _settle(link, rid, tokens + [1], 0) == 2 * C
+    assert link.pending["aborted"].dst  # holds the fetched chunks
+    for _ in range(4):
+        time.sleep(0.1)
+        link.probe("alive", tokens + [1], 0)
+    link.poll()
+    assert "aborted" not in link.pending and "alive" in link.pending
+    assert link.take("alive", 0, 2 * C) is not False
 
 
 def test_expected_wait_comes_from_the_measured_fetch_bandwidth() -> None:
@@ -80,7 +158,7 @@ def test_expected_wait_comes_from_the_measured_fetch_bandwidth() -> None:
     assert link.expected_wait_s("nobody") is None
     _settle(link, "first", tokens + [1], 0)  # one completed fetch: the bandwidth is measured
     assert link.fetch_bytes_per_s > 0
-    link.take("first", 0)
+    link.take("first", 0, 4 * C)
     link.probe("second", tokens + [2], 0)  # lookup in flight: 4 chunks to come
     wait = link.expected_wait_s("second")
     assert wait is not None and wait >= 0.0
