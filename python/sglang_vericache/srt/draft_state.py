@@ -104,9 +104,13 @@ class RequestDraftState:
             return state
         if state is not None:
             logger.warning("request %s: compressed KV out of step; rebuilding", req.rid)
-        state = cls.rebuild(compressor, read, length, num_layers)
-        state.stats.mode, state.stats.constrained = mode, getattr(req, "grammar", None) is not None
-        return state
+        return cls.rebuild(compressor, read, length, num_layers).labelled(req, mode)
+
+    def labelled(self, req: Any, mode: Any) -> "RequestDraftState":
+        """This state, its stats labelled with ``req``'s decode mode and whether a grammar
+        constrains it (what ``meta_info["vericache"]`` and the metrics report)."""
+        self.stats.mode, self.stats.constrained = mode, getattr(req, "grammar", None) is not None
+        return self
 
     def views(self) -> list[tuple[Tensor, Tensor]]:
         """Per layer (keys, values) [H_kv, T_view, D] to draft from; cached until ``append``."""

@@ -274,8 +274,7 @@ class VeriCacheWorker(BaseSpecWorker):
             state = RequestDraftState.build(
                 self.compressor, self.offloader.layer_reader(rows[i], seq_lens[i]), seq_lens[i],
                 queries, self.num_layers,
-            )  # fmt: skip
-            state.stats.mode, state.stats.constrained = mode, req.grammar is not None
+            ).labelled(req, mode)  # fmt: skip
             self.states[req.rid] = state
             self._offload(req, rows[i], seq_lens[i], state.nbytes)
         bs = len(batch.reqs)
