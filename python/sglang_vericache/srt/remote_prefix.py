@@ -66,15 +66,23 @@ class LinkBounds:
     forget_unprobed_after_s: a waiting request the scheduler has not probed for this long is
         forgotten with its fetched KV (SGLang tells the prefix cache nothing when a request is
         aborted in the queue); one that was only waiting long starts its lookup again.
+    max_put_bytes / max_fetch_bytes: host bytes held by write-throughs / fetches in flight. A
+        write-through past the cap is skipped (that prefix is written by a later turn), a
+        fetch past it is not started (the request recomputes): memory stays bounded when the
+        link is slower than the traffic.
     """
 
     lookup_deadline_s: float = 1.0
     retry_down_after_s: float = 5.0
     forget_unprobed_after_s: float = 60.0
+    max_put_bytes: int = 512 << 20
+    max_fetch_bytes: int = 1 << 30
 
     def __post_init__(self) -> None:
         if min(self.lookup_deadline_s, self.forget_unprobed_after_s) <= 0:
             raise ValueError("lookup_deadline_s and forget_unprobed_after_s must be > 0")
+        if min(self.max_put_bytes, self.max_fetch_bytes) <= 0:
+            raise ValueError("max_put_bytes and max_fetch_bytes must be > 0")
         if self.retry_down_after_s < 0:
             raise ValueError("retry_down_after_s must be >= 0")
 
@@ -101,6 +109,8 @@ class RemoteCounters:
     fetch_failures: int = 0
     overdue_lookups: int = 0
     probes_skipped_down: int = 0
+    puts_skipped_full: int = 0  # write-throughs past max_put_bytes
+    fetches_skipped_full: int = 0  # fetches past max_fetch_bytes (recomputed)
     puts: int = 0
     put_failures: int = 0
 
@@ -220,6 +230,10 @@ class RemotePrefixLink:
         first_new = next((i for i, k in enumerate(keys) if k.digest not in self._stored), n_full)
         if first_new == n_full:
             return 0
+        nbytes = (n_full - first_new) * self.geometry.chunk_nbytes(self.chunk)
+        if self.put_bytes_in_flight() + nbytes > self.bounds.max_put_bytes:
+            self.counters.puts_skipped_full += 1
+            return 0  # the link is behind: a later turn of this prefix writes it
         kv = read(first_new * self.chunk, n_full * self.chunk)
         chunks = [kv[..., i * self.chunk : (i + 1) * self.chunk, :].contiguous()
                   for i in range(n_full - first_new)]  # fmt: skip
@@ -263,6 +277,9 @@ class RemotePrefixLink:
                                n_ok, len(state.keys))  # fmt: skip
             if n_ok == 0:
                 state.phase = "miss"
+            elif state.phase == "lookup" and not self._fetch_fits(state.keys[:n_ok]):
+                self.counters.fetches_skipped_full += 1
+                state.phase = "miss"
             elif state.phase == "lookup":
                 state.keys = state.keys[:n_ok]
                 state.dst = [torch.empty(self.geometry.chunk_shape(k.num_tokens),
@@ -272,6 +289,17 @@ class RemotePrefixLink:
             else:
                 state.chunks_ok, state.phase = n_ok, "ready"
                 self._observe_fetch(state)
+
+    def put_bytes_in_flight(self) -> int:
+        return sum(c.nbytes for _, chunks in self._puts.values() for c in chunks)
+
+    def fetch_bytes_in_flight(self) -> int:
+        """Host bytes of fetch buffers (in flight, or landed and not yet taken)."""
+        return sum(t.nbytes for state in self.pending.values() for t in state.dst)
+
+    def _fetch_fits(self, keys: list[ChunkKey]) -> bool:
+        need = sum(self.geometry.chunk_nbytes(k.num_tokens) for k in keys)
+        return self.fetch_bytes_in_flight() + need <= self.bounds.max_fetch_bytes
 
     def _mark(self, up: bool) -> None:
         """The tier answered (up) or failed / overran a deadline (down, for a while)."""

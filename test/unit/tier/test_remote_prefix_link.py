@@ -150,6 +150,31 @@ def test_a_request_no_longer_probed_is_forgotten_with_its_buffers() -> None:
     assert link.take("alive", 0, 2 * C) is not False
 
 
+def test_bytes_in_flight_are_capped_for_writes_and_fetches() -> None:
+    """A slow link cannot make host memory grow: a write-through past max_put_bytes is skipped
+    (and sent by a later turn once the link caught up), a fetch past max_fetch_bytes is not
+    started (the request recomputes)."""
+    two_chunks = 2 * TINY.chunk_nbytes(C)
+    server = ServerProcess("--bandwidth-mbps", "0.01")  # 2 KiB of TINY KV: ~0.2 s
+    tier = ZmqTier(server.endpoint, TINY, timeout_s=30.0, connect_timeout_s=2.0)
+    link = RemotePrefixLink(tier, bounds=LinkBounds(max_put_bytes=two_chunks,
+                                                    max_fetch_bytes=two_chunks))  # fmt: skip
+    read = lambda s, e: _sequence_kv(e)[..., s:e, :]
+    a, b = list(range(2 * C)), list(range(1000, 1000 + 2 * C))
+    assert link.write_through(a, read) == 2 and link.put_bytes_in_flight() == two_chunks
+    assert link.write_through(b, read) == 0 and link.counters.puts_skipped_full == 1
+    _wait_puts(link, timeout=30)
+    assert link.write_through(b, read) == 2  # the link caught up: written now
+    _wait_puts(link, timeout=30)
+    assert _settle(link, "first", a + [1], 0, timeout=30) == 2 * C
+    assert link.fetch_bytes_in_flight() == two_chunks  # fetched, not yet taken
+    assert _settle(link, "second", b + [1], 0, timeout=30) == 0  # would exceed the cap
+    assert link.counters.fetches_skipped_full == 1
+    assert link.take("first", 0, 2 * C) is not False and link.fetch_bytes_in_flight() == 0
+    link.close()
+    server.stop()
+
+
 def test_expected_wait_comes_from_the_measured_fetch_bandwidth() -> None:
     link = RemotePrefixLink(HostTier(TINY, capacity_bytes=1 << 20))
     tokens = list(range(200, 200 + 4 * C))
