@@ -40,7 +40,6 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-import torch
 from torch import Tensor
 
 from sglang_vericache.srt.draft_length import ewma
@@ -48,6 +47,7 @@ from sglang_vericache.tier import TaskStatus, chunk_keys, open_tier
 from sglang_vericache.tier.base import FullKVTier, TaskId
 from sglang_vericache.tier.geometry import KVGeometry
 from sglang_vericache.tier.keys import ChunkKey
+from sglang_vericache.tier.layout import alloc_chunks, join_chunks, split_chunks
 
 logger = logging.getLogger(__name__)
 
@@ -148,15 +148,15 @@ class RemotePrefixLink:
 
     @classmethod
     def open(cls, spec: str, geometry: KVGeometry | Callable[[], KVGeometry],
-             **options) -> "RemotePrefixLink":
+             bounds: LinkBounds = LinkBounds(), **options) -> "RemotePrefixLink":  # fmt: skip
         """The link to tier ``spec``; ``geometry`` may be a callable (see the class doc)."""
         from sglang_vericache.tier.factory import TierOptions
 
         opts = TierOptions(**options)
         if isinstance(geometry, KVGeometry):
-            return cls(open_tier(spec, geometry, opts))
+            return cls(open_tier(spec, geometry, opts), bounds=bounds)
         return cls(open_tier(spec, geometry(), opts), geometry,
-                   lambda g: open_tier(spec, g, opts))
+                   lambda g: open_tier(spec, g, opts), bounds)  # fmt: skip
 
     # -- reads --------------------------------------------------------------------------------
 
@@ -205,7 +205,7 @@ class RemotePrefixLink:
         if start < 0 or start + length > state.chunks_ok * self.chunk:
             return False  # promised more than arrived: re-probe, never load short
         del self.pending[rid]
-        kv = torch.cat(state.dst[: state.chunks_ok], dim=3)[..., start : start + length, :]
+        kv = join_chunks(state.dst[: state.chunks_ok])[..., start : start + length, :]
         self.counters.hits_tokens += length
         return kv
 
@@ -234,9 +234,7 @@ class RemotePrefixLink:
         if self.put_bytes_in_flight() + nbytes > self.bounds.max_put_bytes:
             self.counters.puts_skipped_full += 1
             return 0  # the link is behind: a later turn of this prefix writes it
-        kv = read(first_new * self.chunk, n_full * self.chunk)
-        chunks = [kv[..., i * self.chunk : (i + 1) * self.chunk, :].contiguous()
-                  for i in range(n_full - first_new)]  # fmt: skip
+        chunks = split_chunks(read(first_new * self.chunk, n_full * self.chunk), self.geometry)
         new_keys = keys[first_new:]
         self._puts[self.tier.submit_put(new_keys, chunks)] = (new_keys, chunks)
         self.counters.puts += 1
@@ -282,8 +280,7 @@ class RemotePrefixLink:
                 state.phase = "miss"
             elif state.phase == "lookup":
                 state.keys = state.keys[:n_ok]
-                state.dst = [torch.empty(self.geometry.chunk_shape(k.num_tokens),
-                                         dtype=self.geometry.torch_dtype) for k in state.keys]  # fmt: skip
+                state.dst = alloc_chunks(self.geometry, len(state.keys) * self.chunk)
                 state.task, state.phase = self.tier.submit_fetch(state.keys, state.dst), "fetch"
                 state.fetch_started = time.monotonic()
             else:

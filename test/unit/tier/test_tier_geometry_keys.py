@@ -112,24 +112,3 @@ def test_split_join_alloc_roundtrip(dtype: str) -> None:
         g.check_chunk(chunks[0].float() if dtype != "float32" else chunks[0].half(), 8)
     with pytest.raises(ValueError, match="contiguous"):
         g.check_chunk(torch.empty(2, 2, 2, 4, 8, dtype=g.torch_dtype).transpose(3, 4), 8)
-
-
-def test_gather_scatter_chunk_against_token_slot_pool() -> None:
-    from sglang_vericache.tier.layout import gather_chunk, scatter_chunk
-
-    L, H, D, slots_total = 3, 2, 4, 50
-    k_pool = [torch.randn(slots_total, H, D) for _ in range(L)]
-    v_pool = [torch.randn(slots_total, H, D) for _ in range(L)]
-    slots = torch.tensor([7, 3, 41, 0, 12])
-    chunk = gather_chunk(k_pool, v_pool, slots)
-    assert chunk.shape == (L, 2, H, 5, D) and chunk.is_contiguous()
-    for layer in range(L):
-        for t, s in enumerate(slots.tolist()):
-            assert torch.equal(chunk[layer, 0, :, t], k_pool[layer][s])
-            assert torch.equal(chunk[layer, 1, :, t], v_pool[layer][s])
-    k_new = [torch.zeros(slots_total, H, D) for _ in range(L)]
-    v_new = [torch.zeros(slots_total, H, D) for _ in range(L)]
-    other_slots = torch.tensor([1, 2, 3, 4, 5])
-    scatter_chunk(chunk, k_new, v_new, other_slots)
-    assert torch.equal(gather_chunk(k_new, v_new, other_slots), chunk)
-    assert float(k_new[0][0].abs().sum()) == 0.0  # untouched slots stay untouched
