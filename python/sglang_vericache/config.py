@@ -11,6 +11,9 @@ Flag surface (fixed so that every part of the system agrees)::
                                       kivi:bits=4 | snapkv:ratio=0.5+kivi:bits=4
     --vericache-draft-len N|auto      draft tokens per verify window (auto: per request)
     --vericache-tier host|zmq://HOST:PORT|lmcache://HOST:PORT   where the full KV lives
+    --vericache-fetch-drafting on|off  draft while a remote prefix is fetched
+    --vericache-tier-lookup-deadline S  seconds a remote lookup may take before recomputing
+    --vericache-tier-inflight-mb MB     host MB of remote writes (and of fetches) in flight
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ DEFAULT_COMPRESSOR = "kivi:bits=4"
 DEFAULT_DRAFT_LEN = "auto"
 DEFAULT_TIER = "host"
 MAX_DRAFT_LEN = 64
+DEFAULT_LOOKUP_DEADLINE_S = 1.0
+DEFAULT_INFLIGHT_MB = 512
 
 
 class VeriCacheConfigError(ValueError):
@@ -95,6 +100,17 @@ def parse_draft_len(value: str) -> int | None:
     return int(value)
 
 
+def parse_positive(flag: str, value: str | float, kind: type = float) -> Any:
+    """``value`` as a ``kind`` > 0, else the flag's error."""
+    try:
+        number = kind(value)
+    except (TypeError, ValueError):
+        number = None
+    if number is None or not number > 0 or number != number:
+        raise VeriCacheConfigError(flag, f"{value!r} is not a {kind.__name__} > 0")
+    return number
+
+
 def parse_on_off(flag: str, value: str) -> bool:
     if value not in ("on", "off"):
         raise VeriCacheConfigError(flag, f"{value!r} is not 'on' or 'off'")
@@ -124,11 +140,14 @@ class VeriCacheConfig:
     draft_len: int | None = None
     tier: TierSpec = TierSpec(TierKind.HOST)
     fetch_drafting: bool = True
+    tier_lookup_deadline_s: float = DEFAULT_LOOKUP_DEADLINE_S
+    tier_inflight_mb: int = DEFAULT_INFLIGHT_MB
 
     @classmethod
     def from_flags(
         cls, *, enabled: bool, compressor: str, draft_len: str, tier: str,
-        fetch_drafting: str = "on",
+        fetch_drafting: str = "on", tier_lookup_deadline: str | float = DEFAULT_LOOKUP_DEADLINE_S,
+        tier_inflight_mb: str | int = DEFAULT_INFLIGHT_MB,
     ) -> "VeriCacheConfig":  # fmt: skip
         return cls(
             enabled=enabled,
@@ -136,6 +155,9 @@ class VeriCacheConfig:
             draft_len=parse_draft_len(draft_len),
             tier=TierSpec.parse(tier),
             fetch_drafting=parse_on_off("--vericache-fetch-drafting", fetch_drafting),
+            tier_lookup_deadline_s=parse_positive("--vericache-tier-lookup-deadline",
+                                                  tier_lookup_deadline),  # fmt: skip
+            tier_inflight_mb=parse_positive("--vericache-tier-inflight-mb", tier_inflight_mb, int),
         )
 
     @classmethod
@@ -146,6 +168,8 @@ class VeriCacheConfig:
             draft_len=ns.vericache_draft_len,
             tier=ns.vericache_tier,
             fetch_drafting=ns.vericache_fetch_drafting,
+            tier_lookup_deadline=ns.vericache_tier_lookup_deadline,
+            tier_inflight_mb=ns.vericache_tier_inflight_mb,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -164,6 +188,8 @@ class VeriCacheConfig:
             draft_len=parse_draft_len(str(d["draft_len"])),
             tier=TierSpec.parse(str(d["tier"])),
             fetch_drafting=parse_on_off("fetch_drafting", str(d.get("fetch_drafting", "on"))),
+            tier_lookup_deadline_s=float(d.get("tier_lookup_deadline_s", DEFAULT_LOOKUP_DEADLINE_S)),
+            tier_inflight_mb=int(d.get("tier_inflight_mb", DEFAULT_INFLIGHT_MB)),
         )
 
 
@@ -210,6 +236,22 @@ def add_cli_flags(parser: argparse.ArgumentParser) -> None:
         metavar="on|off",
         help="With a remote tier: draft a request from the locally kept compressed prefix while "
         "its full-KV prefix is fetched ('off': fetch, then decode). Default: on.",
+    )
+    group.add_argument(
+        "--vericache-tier-lookup-deadline",
+        default=str(DEFAULT_LOOKUP_DEADLINE_S),
+        metavar="SECONDS",
+        help="With a remote tier: a prefix lookup unanswered after this many seconds is given "
+        "up (the request recomputes) and the tier is left alone for 5 s; a waiting request "
+        f"holds SGLang's admission, so keep it short. Default: {DEFAULT_LOOKUP_DEADLINE_S}.",
+    )
+    group.add_argument(
+        "--vericache-tier-inflight-mb",
+        default=str(DEFAULT_INFLIGHT_MB),
+        metavar="MB",
+        help="With a remote tier: host memory for write-throughs in flight, and separately for "
+        "fetches in flight (past it a write is skipped for a later turn, a fetch recomputes). "
+        f"Default: {DEFAULT_INFLIGHT_MB}.",
     )
 
 

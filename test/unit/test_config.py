@@ -96,9 +96,11 @@ def test_bad_compressor_key_lists_valid_keys() -> None:
 def test_config_survives_the_dict_round_trip() -> None:
     cfg = parse_cli_flags(
         ["--vericache", "--vericache-draft-len", "8", "--vericache-tier", "lmcache://h:1",
-         "--vericache-fetch-drafting", "off"]
+         "--vericache-fetch-drafting", "off", "--vericache-tier-lookup-deadline", "0.25",
+         "--vericache-tier-inflight-mb", "64"]
     )  # fmt: skip
     assert not cfg.fetch_drafting
+    assert cfg.tier_lookup_deadline_s == 0.25 and cfg.tier_inflight_mb == 64
     assert VeriCacheConfig.from_dict(cfg.to_dict()) == cfg
     auto = parse_cli_flags([])
     assert VeriCacheConfig.from_dict(auto.to_dict()) == auto
@@ -108,6 +110,21 @@ def test_fetch_drafting_is_on_or_off() -> None:
     assert parse_cli_flags([]).fetch_drafting
     with pytest.raises(VeriCacheConfigError, match="--vericache-fetch-drafting.*'on' or 'off'"):
         parse_cli_flags(["--vericache-fetch-drafting", "yes"])
+
+
+@pytest.mark.parametrize(
+    "flag, value",
+    [
+        ("--vericache-tier-lookup-deadline", "0"),
+        ("--vericache-tier-lookup-deadline", "soon"),
+        ("--vericache-tier-lookup-deadline", "nan"),
+        ("--vericache-tier-inflight-mb", "-5"),
+        ("--vericache-tier-inflight-mb", "1.5"),
+    ],
+)
+def test_tier_bounds_must_be_positive(flag: str, value: str) -> None:
+    with pytest.raises(VeriCacheConfigError, match=f"{flag}: .*> 0"):
+        parse_cli_flags([flag, value])
 
 
 @pytest.mark.parametrize(

@@ -42,7 +42,7 @@ from sglang_vericache.srt.draft_ahead import DraftAhead, draft_ahead_for
 from sglang_vericache.srt.eligibility import plain_reason
 from sglang_vericache.srt.offload import write_pool_all_layers
 from sglang_vericache.srt.offloader import PoolOffloader
-from sglang_vericache.srt.remote_prefix import RemotePrefixLink
+from sglang_vericache.srt.remote_prefix import LinkBounds, RemotePrefixLink
 
 logger = logging.getLogger(__name__)
 
@@ -223,7 +223,8 @@ def _open_remote(ctx: Any, num_layers: int) -> RemotePrefixLink | None:
     from sglang_vericache.srt.model_identity import server_model_identity, tier_geometry_source
     from sglang_vericache.srt.plugin import vericache_config
 
-    tier = vericache_config(ctx.server_args).tier
+    config = vericache_config(ctx.server_args)
+    tier = config.tier
     if tier.kind is TierKind.HOST:
         return None
     if ctx.tp_size > 1:  # readiness would need an all-reduce across ranks (not built)
@@ -234,7 +235,10 @@ def _open_remote(ctx: Any, num_layers: int) -> RemotePrefixLink | None:
     geometry = tier_geometry_source(identity, num_layers, keys.shape[1], keys.shape[2],
                                     keys.dtype, REMOTE_CHUNK_TOKENS)  # fmt: skip
     logger.info("remote prefix tier %s (chunks of %d tokens)", tier, REMOTE_CHUNK_TOKENS)
-    return RemotePrefixLink.open(str(tier), geometry)
+    inflight = config.tier_inflight_mb << 20
+    bounds = LinkBounds(lookup_deadline_s=config.tier_lookup_deadline_s,
+                        max_put_bytes=inflight, max_fetch_bytes=inflight)  # fmt: skip
+    return RemotePrefixLink.open(str(tier), geometry, bounds)
 
 
 def build_vericache_radix_cache(ctx: Any) -> VeriCacheRadixCache:
