@@ -8,7 +8,9 @@ in SGLang's queue (``init_load_back`` returns None) while its lookup and fetch r
 background, then ``take`` hands over the verified KV to load into the pool::
 
     probe #1   no state      -> submit lookup(chunks past the device match); report them all
-    probe #k   lookup done   -> submit fetch(leading stored chunks) or report 0 (recompute)
+    probe #k   lookup done   -> fetch the leading stored chunks (one fetch per chunk, shared
+                             with every request waiting for it: tier/shared_fetch.py)
+                             or report 0 (recompute)
     probe #n   fetch done    -> report exactly the chunks that arrived verified
     take(n)    fetched KV [L, 2, H_kv, n, D] of positions [device match, device match + n)
 
@@ -47,7 +49,8 @@ from sglang_vericache.tier import TaskStatus, chunk_keys, open_tier
 from sglang_vericache.tier.base import FullKVTier, TaskId
 from sglang_vericache.tier.geometry import KVGeometry
 from sglang_vericache.tier.keys import ChunkKey
-from sglang_vericache.tier.layout import alloc_chunks, join_chunks, split_chunks
+from sglang_vericache.tier.layout import join_chunks, split_chunks
+from sglang_vericache.tier.shared_fetch import SharedFetches
 
 logger = logging.getLogger(__name__)
 
@@ -89,13 +92,13 @@ class LinkBounds:
 
 @dataclass(slots=True)
 class _Pending:
-    """One waiting request: the chunks past its device match and the task working on them."""
+    """One waiting request: the chunks past its device match and its lookup task (its fetch
+    is in ``SharedFetches``, shared with requests waiting for the same chunks)."""
 
     first_chunk: int
     keys: list[ChunkKey]
     task: TaskId | None
     phase: str  # "lookup" | "fetch" | "ready" | "miss"
-    dst: list[Tensor] = field(default_factory=list)
     chunks_ok: int = 0
     created: float = field(default_factory=time.monotonic)  # also: when the lookup started
     probed: float = field(default_factory=time.monotonic)  # the scheduler's latest probe
@@ -140,6 +143,7 @@ class RemotePrefixLink:
         self._epoch: bytes | None = None  # the tier epoch that _stored was learned under
         self.chunk = self.geometry.chunk_tokens
         self.pending: dict[str, _Pending] = {}
+        self.fetches = SharedFetches(tier)
         self._puts: dict[TaskId, tuple[list[ChunkKey], list[Tensor]]] = {}
         self._stored: OrderedDict[bytes, None] = OrderedDict()
         self.counters = RemoteCounters()
@@ -205,14 +209,17 @@ class RemotePrefixLink:
         if start < 0 or start + length > state.chunks_ok * self.chunk:
             return False  # promised more than arrived: re-probe, never load short
         del self.pending[rid]
-        kv = join_chunks(state.dst[: state.chunks_ok])[..., start : start + length, :]
+        kv = join_chunks(self.fetches.buffers(rid)[: state.chunks_ok])
+        self.fetches.release(rid)
         self.counters.hits_tokens += length
-        return kv
+        return kv[..., start : start + length, :]
 
     def forget(self, rid: str) -> None:
         state = self.pending.pop(rid, None)
         if state is not None and state.task is not None:
             self.tier.cancel(state.task)
+        if state is not None and state.phase in ("fetch", "ready"):
+            self.fetches.release(rid)
 
     # -- writes -------------------------------------------------------------------------------
 
@@ -259,6 +266,9 @@ class RemotePrefixLink:
             if put is not None:
                 self._finish_put(put[0], result)
                 continue
+            if self.fetches.owns(task_id):
+                self._finish_fetch(task_id, result)
+                continue
             rid_state = by_task.get(task_id)
             if rid_state is None:
                 continue  # cancelled: its request is gone
@@ -268,35 +278,53 @@ class RemotePrefixLink:
             if result.status is TaskStatus.DONE:  # a key found missing is no longer stored
                 for key in state.keys[n_ok:]:
                     self._stored.pop(key.digest, None)
-            if result.status is not TaskStatus.DONE or (state.phase == "fetch" and not result.all_ok):
+            if result.status is not TaskStatus.DONE:
                 self.counters.fetch_failures += 1
-                logger.warning("tier %s for request %s: %s (%d/%d chunks usable); the rest is "
-                               "recomputed", state.phase, rid, result.error or result.status.value,
-                               n_ok, len(state.keys))  # fmt: skip
+                logger.warning("tier lookup for request %s: %s; recomputed", rid,
+                               result.error or result.status.value)  # fmt: skip
             if n_ok == 0:
                 state.phase = "miss"
-            elif state.phase == "lookup" and not self._fetch_fits(state.keys[:n_ok]):
+            elif self.fetch_bytes_in_flight() + self.fetches.new_bytes(state.keys[:n_ok]) > (
+                self.bounds.max_fetch_bytes
+            ):
                 self.counters.fetches_skipped_full += 1
                 state.phase = "miss"
-            elif state.phase == "lookup":
-                state.keys = state.keys[:n_ok]
-                state.dst = alloc_chunks(self.geometry, len(state.keys) * self.chunk)
-                state.task, state.phase = self.tier.submit_fetch(state.keys, state.dst), "fetch"
-                state.fetch_started = time.monotonic()
             else:
-                state.chunks_ok, state.phase = n_ok, "ready"
-                self._observe_fetch(state)
+                state.keys = state.keys[:n_ok]
+                self.fetches.want(rid, state.keys)
+                state.phase, state.fetch_started = "fetch", time.monotonic()
+        self._settle_fetches()
+
+    def _finish_fetch(self, task_id: TaskId, result) -> None:
+        landed, seconds = self.fetches.complete(task_id, result)
+        if result.status is not TaskStatus.DONE or not result.all_ok:
+            self.counters.fetch_failures += 1
+            logger.warning("tier fetch: %s (%d/%d chunks usable); the rest is recomputed",
+                           result.error or result.status.value, result.num_ok_prefix,
+                           len(result.ok))  # fmt: skip
+        if seconds > 0 and landed > 0:
+            self.fetch_bytes_per_s = ewma(self.fetch_bytes_per_s, landed / seconds)
+
+    def _settle_fetches(self) -> None:
+        """Requests whose every chunk has landed or failed become ready (or a miss)."""
+        for rid, state in self.pending.items():
+            if state.phase != "fetch" or not self.fetches.settled(rid):
+                continue
+            state.chunks_ok = self.fetches.leading_ok(rid)
+            for key in state.keys[state.chunks_ok:]:  # missing or bad: not stored any more
+                self._stored.pop(key.digest, None)
+            if state.chunks_ok == 0:
+                self.fetches.release(rid)
+                state.phase = "miss"
+            else:
+                state.phase = "ready"
 
     def put_bytes_in_flight(self) -> int:
         return sum(c.nbytes for _, chunks in self._puts.values() for c in chunks)
 
     def fetch_bytes_in_flight(self) -> int:
         """Host bytes of fetch buffers (in flight, or landed and not yet taken)."""
-        return sum(t.nbytes for state in self.pending.values() for t in state.dst)
-
-    def _fetch_fits(self, keys: list[ChunkKey]) -> bool:
-        need = sum(self.geometry.chunk_nbytes(k.num_tokens) for k in keys)
-        return self.fetch_bytes_in_flight() + need <= self.bounds.max_fetch_bytes
+        return self.fetches.nbytes()
 
     def _mark(self, up: bool) -> None:
         """The tier answered (up) or failed / overran a deadline (down, for a while)."""
@@ -318,12 +346,6 @@ class RemotePrefixLink:
             logger.warning("tier lookup for request %s unanswered after %.1f s: recomputing, "
                            "and not asking the tier for %.0f s", rid, deadline,
                            self.bounds.retry_down_after_s)  # fmt: skip
-
-    def _observe_fetch(self, state: _Pending) -> None:
-        seconds = time.monotonic() - state.fetch_started
-        nbytes = sum(t.nbytes for t in state.dst[: state.chunks_ok])
-        if seconds > 0 and nbytes > 0:
-            self.fetch_bytes_per_s = ewma(self.fetch_bytes_per_s, nbytes / seconds)
 
     def expected_wait_s(self, rid: str) -> float | None:
         """Seconds until ``rid``'s pending lookup and fetch land (None: no estimate yet)."""
@@ -372,6 +394,7 @@ class RemotePrefixLink:
         self._stored.clear()
         self._epoch = None
         self.tier, self.geometry = self._reopen(geometry), geometry
+        self.fetches = SharedFetches(self.tier)
 
     def close(self) -> None:
         self.tier.close()

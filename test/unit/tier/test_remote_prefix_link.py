@@ -136,18 +136,21 @@ def test_a_request_no_longer_probed_is_forgotten_with_its_buffers() -> None:
     goes once it has not been probed for the bound; a live request probed meanwhile stays."""
     link = RemotePrefixLink(HostTier(TINY, capacity_bytes=1 << 20),
                             bounds=LinkBounds(forget_unprobed_after_s=0.3))  # fmt: skip
-    tokens = list(range(600, 600 + 2 * C))
-    link.write_through(tokens, lambda s, e: _sequence_kv(e)[..., s:e, :])
+    prompts = {"aborted": list(range(600, 600 + 2 * C)), "alive": list(range(700, 700 + 2 * C))}
+    for tokens in prompts.values():
+        link.write_through(tokens, lambda s, e: _sequence_kv(e)[..., s:e, :])
     link.poll()
-    for rid in ("aborted", "alive"):
+    for rid, tokens in prompts.items():
         assert _settle(link, rid, tokens + [1], 0) == 2 * C
-    assert link.pending["aborted"].dst  # holds the fetched chunks
+    assert link.fetch_bytes_in_flight() == 4 * TINY.chunk_nbytes(C)  # both hold their chunks
     for _ in range(4):
         time.sleep(0.1)
-        link.probe("alive", tokens + [1], 0)
+        link.probe("alive", prompts["alive"] + [1], 0)
     link.poll()
     assert "aborted" not in link.pending and "alive" in link.pending
+    assert link.fetch_bytes_in_flight() == 2 * TINY.chunk_nbytes(C)
     assert link.take("alive", 0, 2 * C) is not False
+    link.fetches.check_integrity()
 
 
 def test_bytes_in_flight_are_capped_for_writes_and_fetches() -> None:
@@ -173,6 +176,33 @@ def test_bytes_in_flight_are_capped_for_writes_and_fetches() -> None:
     assert link.take("first", 0, 2 * C) is not False and link.fetch_bytes_in_flight() == 0
     link.close()
     server.stop()
+
+
+def test_requests_waiting_for_one_prefix_share_one_fetch() -> None:
+    """Two requests of one prefix, a third that extends it: the tier sends each chunk once,
+    every request gets exactly its own positions, and buffers go with the last claim."""
+    tier = HostTier(TINY, capacity_bytes=1 << 20)
+    link = RemotePrefixLink(tier)
+    tokens = list(range(900, 900 + 4 * C))
+    kv = _sequence_kv(len(tokens))
+    link.write_through(tokens, lambda s, e: kv[..., s:e, :])
+    link.poll()
+    short = tokens[: 2 * C]
+    assert link.probe("a", short + [1], 0) == 2 * C
+    assert link.probe("b", short + [2], 3) == 2 * C - 3
+    assert link.probe("c", tokens + [3], 0) == 4 * C
+    for rid, toks, dev, want in (("a", short + [1], 0, 2 * C), ("b", short + [2], 3, 2 * C - 3),
+                                 ("c", tokens + [3], 0, 4 * C)):  # fmt: skip
+        assert _settle(link, rid, toks, dev) == want
+    assert tier.stats()["chunks_fetched"] == 4  # not 2 + 2 + 4
+    assert link.fetch_bytes_in_flight() == 4 * TINY.chunk_nbytes(C)
+    link.fetches.check_integrity()
+    assert torch.equal(link.take("b", 3, 2 * C - 3), kv[..., 3 : 2 * C, :])
+    link.forget("a")
+    assert link.fetch_bytes_in_flight() == 4 * TINY.chunk_nbytes(C)  # c still claims them all
+    assert torch.equal(link.take("c", 0, 4 * C), kv)
+    assert link.fetch_bytes_in_flight() == 0 and not link.pending
+    link.fetches.check_integrity()
 
 
 def test_expected_wait_comes_from_the_measured_fetch_bandwidth() -> None:
