@@ -122,12 +122,12 @@ def required_n(df: int, tv: float = 0.05, alpha: float = 0.01, power: float = 0.
     return lo
 
 
-def sample(url: str, prompt: str, sampling: dict[str, Any], n: int,
-           batch: int = 64) -> tuple[list[tuple[int, ...]], list[dict]]:  # fmt: skip
+def sample(url: str, prompt: str, sampling: dict[str, Any], n: int, batch: int = 64,
+           progress: Any = None) -> tuple[list[tuple[int, ...]], list[dict]]:  # fmt: skip
     """``n`` continuations of ``prompt``: (output ids, ``meta_info["vericache"]`` or {}) each.
 
     Sent ``batch`` at a time as one /generate with a list of identical texts (SGLang batches
-    them and shares the prompt's prefix).
+    them and shares the prompt's prefix). ``progress``: a tqdm bar to advance, or None.
     """
     from sglang_vericache.exactness.server import http_json
 
@@ -139,6 +139,8 @@ def sample(url: str, prompt: str, sampling: dict[str, Any], n: int,
         for out in outs:
             ids.append(tuple(out["output_ids"]))
             stats.append(out["meta_info"].get("vericache", {}))
+        if progress is not None:
+            progress.update(k)
     return ids, stats
 
 
@@ -187,16 +189,21 @@ def main() -> None:
     started = time.perf_counter()
     vericache = ["--vericache", "--vericache-draft-len", args.draft_len,
                  "--vericache-compressor", args.compressor]  # fmt: skip
+    from tqdm import tqdm
+
+    bar = tqdm(total=args.n * (2 * len(settings) + 1), unit="sample")
     for side, extra in (("plain", []), ("vericache", vericache)):
         with SGLangServer(base + extra, log_path=logs / f"{side}.log") as server:
             for p, t, tp in settings:
+                bar.set_description(f"{side} T={t} top_p={tp}")
                 sp = {"temperature": t, "top_p": tp, "max_new_tokens": 3, "ignore_eos": True}
-                samples[f"{side}|{p}|{t}|{tp}"] = sample(server.url, p, sp, args.n)
+                samples[f"{side}|{p}|{t}|{tp}"] = sample(server.url, p, sp, args.n, progress=bar)
             if side == "plain":
                 wrong_t = args.wrong_temperature
                 sp = {"temperature": wrong_t, "top_p": configs[0][1], "max_new_tokens": 3,
                       "ignore_eos": True}  # fmt: skip
-                samples["wrong"] = sample(server.url, prompts[0], sp, args.n)
+                samples["wrong"] = sample(server.url, prompts[0], sp, args.n, progress=bar)
+    bar.close()
     rows = []
     for p, t, tp in settings:
         ref, _ = samples[f"plain|{p}|{t}|{tp}"]
