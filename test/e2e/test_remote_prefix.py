@@ -44,7 +44,8 @@ def kv_server() -> Iterator[ServerProcess]:
 @pytest.fixture(scope="module")
 def servers(kv_server, tmp_path_factory) -> Iterator[tuple[SGLangServer, SGLangServer]]:
     args = ["--max-total-tokens", "16384", "--vericache", "--vericache-draft-len", "4",
-            "--vericache-tier", kv_server.spec]  # fmt: skip
+            "--vericache-tier", kv_server.spec, "--enable-metrics",
+            "--vericache-tier-inflight-mb", "256"]  # fmt: skip
     logs = tmp_path_factory.mktemp("remote")
     with SGLangServer(args, log_path=logs / "a.log") as a, SGLangServer(args, log_path=logs / "b.log") as b:
         yield a, b
@@ -84,6 +85,23 @@ def test_prefix_computed_on_a_is_a_hit_on_b(servers, kv_server, plain_server, to
     got = _generate(b, turn2)
     assert got["meta_info"]["cached_tokens"] >= (len(ids) // CHUNK) * CHUNK, got["meta_info"]
     assert got["output_ids"] == _generate(plain_server, turn2)["output_ids"]
+
+
+def test_tier_link_state_is_on_metrics(servers, kv_server, tokenizer) -> None:
+    """The link's bounds (from --vericache-tier-inflight-mb), its up/down state and its event
+    counts are on /metrics."""
+    import re
+    import urllib.request
+
+    a, _ = servers
+    _generate(a, _prompt(tokenizer, "metrics"))
+    with urllib.request.urlopen(a.url + "/metrics", timeout=30) as resp:
+        text = resp.read().decode()
+    bound = re.search(r'vericache:tier_bytes_bound\{[^}]*kind="fetch"[^}]*\} (\S+)', text)
+    assert bound and float(bound.group(1)) == 256 * 2**20, text[-2000:]
+    assert re.search(r'vericache:tier_up\{[^}]*\} 1\.0', text)
+    lookups = re.search(r'vericache:tier_link_events\{[^}]*event="lookups"[^}]*\} (\S+)', text)
+    assert lookups and float(lookups.group(1)) >= 1
 
 
 def test_next_turn_on_the_same_server_hits_its_own_device_prefix(servers, kv_server, plain_server,

@@ -120,3 +120,34 @@ class VeriCacheExporter:
         self._host_tokens.labels(**self._labels).set(host_kv_tokens)
         self._reserved.labels(**self._labels).set(ledger.reserved_slots())
         self._tracked.labels(**self._labels).set(tracked)
+
+
+class TierLinkExporter:
+    """The remote tier link (``srt/remote_prefix.py``): host bytes of writes and fetches in
+    flight beside their bounds (``--vericache-tier-inflight-mb``), whether the tier counts as
+    up, and the link's event counts (lookups, hits, overdue lookups, skipped writes...)."""
+
+    def __init__(self, model_name: str, link: Any) -> None:
+        from prometheus_client import Gauge
+
+        def gauge(name: str, doc: str, extra: tuple[str, ...] = ()) -> Any:
+            return Gauge(f"vericache:{name}", doc, labelnames=["model_name", *extra],
+                         multiprocess_mode="mostrecent")  # fmt: skip
+
+        self._labels = {"model_name": model_name}
+        self._bytes = gauge("tier_bytes_in_flight", "Host bytes of tier transfers in flight.",
+                            ("kind",))  # fmt: skip
+        self._up = gauge("tier_up", "1 while the remote tier answers; 0 while it counts as down.")
+        self._events = gauge("tier_link_events", "Tier link event counts since start.", ("event",))
+        bound = gauge("tier_bytes_bound", "Bound on host bytes in flight, by kind.", ("kind",))
+        bound.labels(kind="put", **self._labels).set(link.bounds.max_put_bytes)
+        bound.labels(kind="fetch", **self._labels).set(link.bounds.max_fetch_bytes)
+
+    def observe(self, link: Any) -> None:
+        """Publish ``link``'s current state (cheap: call after each tier operation)."""
+        lb = self._labels
+        self._bytes.labels(kind="put", **lb).set(link.put_bytes_in_flight())
+        self._bytes.labels(kind="fetch", **lb).set(link.fetch_bytes_in_flight())
+        self._up.labels(**lb).set(1 if link.tier_up else 0)
+        for event, count in link.counters.as_dict().items():
+            self._events.labels(event=event, **lb).set(count)

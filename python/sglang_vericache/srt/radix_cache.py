@@ -40,6 +40,7 @@ from sglang.srt.mem_cache.radix_cache import RadixCache
 
 from sglang_vericache.srt.draft_ahead import DraftAhead, draft_ahead_for
 from sglang_vericache.srt.eligibility import plain_reason
+from sglang_vericache.srt.metrics import TierLinkExporter
 from sglang_vericache.srt.offload import write_pool_all_layers
 from sglang_vericache.srt.offloader import PoolOffloader
 from sglang_vericache.srt.remote_prefix import LinkBounds, RemotePrefixLink
@@ -54,7 +55,8 @@ class VeriCacheRadixCache(RadixCache):
     """``RadixCache`` plus restore/drop of offloaded rows (see module doc)."""
 
     def __init__(self, params: Any, num_layers: int, verify_width: int,
-                 remote: RemotePrefixLink | None = None, fetch_drafting: bool = True) -> None:  # fmt: skip
+                 remote: RemotePrefixLink | None = None, fetch_drafting: bool = True,
+                 tier_metrics: TierLinkExporter | None = None) -> None:  # fmt: skip
         allocator = params.token_to_kv_pool_allocator
         self.offloader = PoolOffloader(
             allocator.get_kvcache(), params.req_to_token_pool, allocator, num_layers
@@ -62,6 +64,7 @@ class VeriCacheRadixCache(RadixCache):
         self.restore_failures = 0
         self.verify_width = verify_width  # pool slots one verification writes per request
         self.remote = remote
+        self.tier_metrics = tier_metrics
         # Compressed prefixes and drafts made while fetching (remote tiers only).
         self.ahead: DraftAhead | None = (
             draft_ahead_for(params.req_to_token_pool) if remote is not None and fetch_drafting
@@ -80,6 +83,7 @@ class VeriCacheRadixCache(RadixCache):
         if self.remote is not None and _tier_eligible(req):
             tokens = req.full_untruncated_fill_ids[:up_to]
             self.remote.write_through(tokens, self._sequence_reader(row))
+            self._observe_tier()
             if self.ahead is not None:
                 self.ahead.remember(req.rid, tokens)
             if self.offloader.ledger.span(row) is not None and self.remote.tier_up:
@@ -150,6 +154,7 @@ class VeriCacheRadixCache(RadixCache):
         if self.remote is None or self.disable or req is None or not _tier_eligible(req):
             return result
         hit = self.remote.probe(req.rid, params.key.raw_token_ids(), result.device_prefix_len)
+        self._observe_tier()
         hit = hit // self.page_size * self.page_size  # init_load_back loads whole pages only
         return result._replace(host_hit_length=hit) if hit > 0 else result
 
@@ -187,6 +192,10 @@ class VeriCacheRadixCache(RadixCache):
         new_node = super().match_prefix(MatchPrefixParams(key=key)).last_device_node
         self.loaded[req.rid] = (new_node, start)
         return n, new_node
+
+    def _observe_tier(self) -> None:
+        if self.tier_metrics is not None:
+            self.tier_metrics.observe(self.remote)
 
     def reset(self) -> None:
         for row in list(self.offloader.ledger.rows):
@@ -253,5 +262,8 @@ def build_vericache_radix_cache(ctx: Any) -> VeriCacheRadixCache:
     from sglang_vericache.srt.plugin import vericache_config
 
     fetch_drafting = vericache_config(ctx.server_args).fetch_drafting
-    return VeriCacheRadixCache(ctx.params, layers, width, _open_remote(ctx, layers),
-                               fetch_drafting)  # fmt: skip
+    remote = _open_remote(ctx, layers)
+    metrics = None
+    if remote is not None and ctx.server_args.enable_metrics:
+        metrics = TierLinkExporter(ctx.server_args.served_model_name or "default", remote)
+    return VeriCacheRadixCache(ctx.params, layers, width, remote, fetch_drafting, metrics)
