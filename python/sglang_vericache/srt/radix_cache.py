@@ -43,7 +43,7 @@ from sglang_vericache.srt.eligibility import plain_reason
 from sglang_vericache.srt.metrics import TierLinkExporter
 from sglang_vericache.srt.offload import write_pool_all_layers
 from sglang_vericache.srt.offloader import PoolOffloader
-from sglang_vericache.srt.remote_prefix import LinkBounds, RemotePrefixLink
+from sglang_vericache.srt.remote_prefix import LINK_ATTR, LinkBounds, RemotePrefixLink
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +64,8 @@ class VeriCacheRadixCache(RadixCache):
         self.restore_failures = 0
         self.verify_width = verify_width  # pool slots one verification writes per request
         self.remote = remote
+        if remote is not None:  # the worker finds it there to report prefill speed
+            setattr(params.req_to_token_pool, LINK_ATTR, remote)
         self.tier_metrics = tier_metrics
         # Compressed prefixes and drafts made while fetching (remote tiers only).
         self.ahead: DraftAhead | None = (

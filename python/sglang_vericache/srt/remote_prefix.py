@@ -55,6 +55,14 @@ from sglang_vericache.tier.shared_fetch import SharedFetches
 logger = logging.getLogger(__name__)
 
 STORED_KEYS_REMEMBERED = 65536  # digests known to be in the tier (skips re-sending a prefix)
+EXPLORE_EVERY = 16  # one in this many fetches judged slower than recomputing is made anyway
+LINK_ATTR = "_vericache_remote_link"  # where link_for finds a scheduler's link
+
+
+def link_for(req_to_token_pool: object) -> "RemotePrefixLink | None":
+    """The tier link of the prefix cache that shares ``req_to_token_pool`` with the worker
+    (the worker reports this server's prefill speed to it), None without a remote tier."""
+    return getattr(req_to_token_pool, LINK_ATTR, None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,6 +122,7 @@ class RemoteCounters:
     probes_skipped_down: int = 0
     puts_skipped_full: int = 0  # write-throughs past max_put_bytes
     fetches_skipped_full: int = 0  # fetches past max_fetch_bytes (recomputed)
+    fetches_skipped_slower: int = 0  # recomputing was predicted faster than fetching
     puts: int = 0
     put_failures: int = 0
 
@@ -148,6 +157,8 @@ class RemotePrefixLink:
         self._stored: OrderedDict[bytes, None] = OrderedDict()
         self.counters = RemoteCounters()
         self.fetch_bytes_per_s = 0.0  # moving average over completed fetches (0: none yet)
+        self.prefill_tokens_per_s = 0.0  # this server's prefill speed (``observe_prefill``)
+        self._judged_slower = 0  # fetches predicted slower than recomputing (see _fetch_pays)
         self.tier_up = True  # the latest finished tier task did not fail (a miss is not a fail)
 
     @classmethod
@@ -289,6 +300,9 @@ class RemotePrefixLink:
             ):
                 self.counters.fetches_skipped_full += 1
                 state.phase = "miss"
+            elif not self._fetch_pays(state.keys[:n_ok]):
+                self.counters.fetches_skipped_slower += 1
+                state.phase = "miss"
             else:
                 state.keys = state.keys[:n_ok]
                 self.fetches.want(rid, state.keys)
@@ -325,6 +339,26 @@ class RemotePrefixLink:
     def fetch_bytes_in_flight(self) -> int:
         """Host bytes of fetch buffers (in flight, or landed and not yet taken)."""
         return self.fetches.nbytes()
+
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        """This server prefilled ``tokens`` in ``seconds`` (the worker times its prefills)."""
+        if tokens > 0 and seconds > 0:
+            self.prefill_tokens_per_s = ewma(self.prefill_tokens_per_s, tokens / seconds)
+
+    def _fetch_pays(self, keys: list[ChunkKey]) -> bool:
+        """Fetching ``keys`` is predicted no slower than recomputing their tokens here: a fast
+        GPU on a slow link recomputes, a CPU on a fast link fetches. Without both measurements
+        it fetches (which measures the link), and every ``EXPLORE_EVERY``-th skipped fetch is
+        made anyway so a stale bandwidth estimate cannot stop fetching for good."""
+        nbytes = self.fetches.new_bytes(keys)
+        if not nbytes or self.fetch_bytes_per_s <= 0 or self.prefill_tokens_per_s <= 0:
+            return True
+        fetch_s = nbytes / self.fetch_bytes_per_s
+        recompute_s = sum(k.num_tokens for k in keys) / self.prefill_tokens_per_s
+        if fetch_s <= recompute_s:
+            return True
+        self._judged_slower += 1
+        return self._judged_slower % EXPLORE_EVERY == 0
 
     def _mark(self, up: bool) -> None:
         """The tier answered (up) or failed / overran a deadline (down, for a while)."""

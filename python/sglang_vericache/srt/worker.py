@@ -65,6 +65,7 @@ from sglang_vericache.srt.metrics import VeriCacheExporter, request_meta_info
 from sglang_vericache.srt.offloader import PoolOffloader
 from sglang_vericache.srt.patches import publish_meta_info
 from sglang_vericache.srt.plugin import vericache_config
+from sglang_vericache.srt.remote_prefix import link_for
 from sglang_vericache.srt.row_acceptance import SampledDrafts, draft_column
 from sglang_vericache.srt.row_sampling import commit_verify
 from sglang_vericache.srt.step_costs import (
@@ -245,12 +246,16 @@ class VeriCacheWorker(BaseSpecWorker):
         # algorithm; max_new_tokens 0 never decodes, so it takes that path as without us.
         batch.is_prefill_only = all(prefill_only(r) for r in batch.reqs)
         self.attn.capture = QueryCapture(OBS_WINDOW)
+        started = time.perf_counter()
         try:
             out = self.target_worker.forward_batch_generation(
                 batch, pp_proxy_tensors=pp_proxy_tensors
             )
         finally:
             capture, self.attn.capture = self.attn.capture, None
+        link = link_for(self.model_runner.req_to_token_pool)
+        if link is not None:  # the tier link weighs fetching a prefix against recomputing it
+            link.observe_prefill(int(batch.extend_num_tokens or 0), time.perf_counter() - started)
         seq_lens = batch.seq_lens_cpu.tolist()
         rows = batch.req_pool_indices.tolist()
         for i, req in enumerate(batch.reqs):

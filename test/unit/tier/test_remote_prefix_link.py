@@ -205,6 +205,36 @@ def test_requests_waiting_for_one_prefix_share_one_fetch() -> None:
     link.fetches.check_integrity()
 
 
+def test_a_prefix_is_fetched_only_where_fetching_beats_recomputing() -> None:
+    """Measured link bandwidth vs this server's prefill speed: a slow link beside a fast
+    prefill recomputes (every 16th such decision fetches anyway, to re-measure the link);
+    without a prefill measurement, or with a slow prefill, the prefix is fetched."""
+    from sglang_vericache.srt.remote_prefix import EXPLORE_EVERY
+
+    link = RemotePrefixLink(HostTier(TINY, capacity_bytes=1 << 20))
+    tokens = list(range(1200, 1200 + 2 * C))
+    link.write_through(tokens, lambda s, e: _sequence_kv(e)[..., s:e, :])
+    link.poll()
+    assert _settle(link, "unmeasured", tokens + [0], 0) == 2 * C  # no prefill speed: fetch
+    link.forget("unmeasured")
+    nbytes = 2 * TINY.chunk_nbytes(C)
+    link.fetch_bytes_per_s = nbytes / 1.0  # this prefix takes 1 s to fetch
+    link.observe_prefill(2 * C * 10, 1.0)  # and 0.1 s to recompute
+    assert _settle(link, "fast-prefill", tokens + [1], 0) == 0
+    assert link.counters.fetches_skipped_slower == 1 and link.take("fast-prefill", 0, 0) is None
+    got = []
+    for i in range(2 * EXPLORE_EVERY - 1):
+        link.fetch_bytes_per_s = nbytes / 1.0  # (an in-process fetch would measure it fast)
+        got.append(_settle(link, f"r{i}", tokens + [2, i], 0))
+        link.forget(f"r{i}")  # (chunks another waiter holds would be shared, at no cost)
+    assert got.count(2 * C) == 2  # the 16th and 32nd judged-slower fetches are made anyway
+    assert link.counters.fetches_skipped_slower == 2 * EXPLORE_EVERY - 2
+    slow = RemotePrefixLink(link.tier)
+    slow.fetch_bytes_per_s = nbytes / 1.0
+    slow.observe_prefill(2 * C, 10.0)  # recomputing would take 10 s
+    assert _settle(slow, "slow-prefill", tokens + [3], 0) == 2 * C
+
+
 def test_expected_wait_comes_from_the_measured_fetch_bandwidth() -> None:
     link = RemotePrefixLink(HostTier(TINY, capacity_bytes=1 << 20))
     tokens = list(range(200, 200 + 4 * C))
