@@ -43,7 +43,8 @@ from sglang_vericache.srt.eligibility import plain_reason
 from sglang_vericache.srt.metrics import TierLinkExporter
 from sglang_vericache.srt.offload import write_pool_all_layers
 from sglang_vericache.srt.offloader import PoolOffloader
-from sglang_vericache.srt.remote_prefix import LINK_ATTR, LinkBounds, RemotePrefixLink
+from sglang_vericache.srt.remote_prefix import LINK_ATTR, RemotePrefixLink
+from sglang_vericache.tier.link_bounds import LinkBounds
 
 logger = logging.getLogger(__name__)
 

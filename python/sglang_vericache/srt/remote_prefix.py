@@ -50,6 +50,7 @@ from sglang_vericache.tier.base import FullKVTier, TaskId
 from sglang_vericache.tier.geometry import KVGeometry
 from sglang_vericache.tier.keys import ChunkKey
 from sglang_vericache.tier.layout import join_chunks, split_chunks
+from sglang_vericache.tier.link_bounds import LinkBounds, RemoteCounters
 from sglang_vericache.tier.shared_fetch import SharedFetches
 
 logger = logging.getLogger(__name__)
@@ -65,39 +66,6 @@ def link_for(req_to_token_pool: object) -> "RemotePrefixLink | None":
     return getattr(req_to_token_pool, LINK_ATTR, None)
 
 
-@dataclass(frozen=True, slots=True)
-class LinkBounds:
-    """How long admission may wait on the tier.
-
-    lookup_deadline_s: a lookup still unanswered after this is cancelled and the request
-        recomputes (a hung KV server answers nothing; the client's own timeout is 30 s, and a
-        waiting request holds SGLang's admission loop while it waits).
-    retry_down_after_s: after a failed or overdue task the tier counts as down: probes report
-        0 without contacting it until this long has passed, then one probe tries again.
-    forget_unprobed_after_s: a waiting request the scheduler has not probed for this long is
-        forgotten with its fetched KV (SGLang tells the prefix cache nothing when a request is
-        aborted in the queue); one that was only waiting long starts its lookup again.
-    max_put_bytes / max_fetch_bytes: host bytes held by write-throughs / fetches in flight. A
-        write-through past the cap is skipped (that prefix is written by a later turn), a
-        fetch past it is not started (the request recomputes): memory stays bounded when the
-        link is slower than the traffic.
-    """
-
-    lookup_deadline_s: float = 1.0
-    retry_down_after_s: float = 5.0
-    forget_unprobed_after_s: float = 60.0
-    max_put_bytes: int = 512 << 20
-    max_fetch_bytes: int = 1 << 30
-
-    def __post_init__(self) -> None:
-        if min(self.lookup_deadline_s, self.forget_unprobed_after_s) <= 0:
-            raise ValueError("lookup_deadline_s and forget_unprobed_after_s must be > 0")
-        if min(self.max_put_bytes, self.max_fetch_bytes) <= 0:
-            raise ValueError("max_put_bytes and max_fetch_bytes must be > 0")
-        if self.retry_down_after_s < 0:
-            raise ValueError("retry_down_after_s must be >= 0")
-
-
 @dataclass(slots=True)
 class _Pending:
     """One waiting request: the chunks past its device match and its lookup task (its fetch
@@ -111,23 +79,6 @@ class _Pending:
     created: float = field(default_factory=time.monotonic)  # also: when the lookup started
     probed: float = field(default_factory=time.monotonic)  # the scheduler's latest probe
     fetch_started: float = 0.0
-
-
-@dataclass(slots=True)
-class RemoteCounters:
-    lookups: int = 0
-    hits_tokens: int = 0
-    fetch_failures: int = 0
-    overdue_lookups: int = 0
-    probes_skipped_down: int = 0
-    puts_skipped_full: int = 0  # write-throughs past max_put_bytes
-    fetches_skipped_full: int = 0  # fetches past max_fetch_bytes (recomputed)
-    fetches_skipped_slower: int = 0  # recomputing was predicted faster than fetching
-    puts: int = 0
-    put_failures: int = 0
-
-    def as_dict(self) -> dict[str, int]:
-        return {name: getattr(self, name) for name in self.__slots__}
 
 
 class RemotePrefixLink:

@@ -5,9 +5,10 @@ from __future__ import annotations
 import time
 
 import torch
-from sglang_vericache.srt.remote_prefix import LinkBounds, RemotePrefixLink
+from sglang_vericache.srt.remote_prefix import RemotePrefixLink
 from sglang_vericache.tier.client import ZmqTier
 from sglang_vericache.tier.host import HostTier
+from sglang_vericache.tier.link_bounds import LinkBounds
 from tier_testlib import TINY, ServerProcess
 
 C = TINY.chunk_tokens  # 8

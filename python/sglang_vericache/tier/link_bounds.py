@@ -1,0 +1,57 @@
+"""The tier link's bounds and event counts (``srt/remote_prefix.py``), as plain data: the flags
+``--vericache-tier-lookup-deadline`` / ``--vericache-tier-inflight-mb`` set the bounds, and
+``/metrics`` publishes both (``vericache:tier_*``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class LinkBounds:
+    """How long admission may wait on the tier.
+
+    lookup_deadline_s: a lookup still unanswered after this is cancelled and the request
+        recomputes (a hung KV server answers nothing; the client's own timeout is 30 s, and a
+        waiting request holds SGLang's admission loop while it waits).
+    retry_down_after_s: after a failed or overdue task the tier counts as down: probes report
+        0 without contacting it until this long has passed, then one probe tries again.
+    forget_unprobed_after_s: a waiting request the scheduler has not probed for this long is
+        forgotten with its fetched KV (SGLang tells the prefix cache nothing when a request is
+        aborted in the queue); one that was only waiting long starts its lookup again.
+    max_put_bytes / max_fetch_bytes: host bytes held by write-throughs / fetches in flight. A
+        write-through past the cap is skipped (that prefix is written by a later turn), a
+        fetch past it is not started (the request recomputes): memory stays bounded when the
+        link is slower than the traffic.
+    """
+
+    lookup_deadline_s: float = 1.0
+    retry_down_after_s: float = 5.0
+    forget_unprobed_after_s: float = 60.0
+    max_put_bytes: int = 512 << 20
+    max_fetch_bytes: int = 1 << 30
+
+    def __post_init__(self) -> None:
+        if min(self.lookup_deadline_s, self.forget_unprobed_after_s) <= 0:
+            raise ValueError("lookup_deadline_s and forget_unprobed_after_s must be > 0")
+        if min(self.max_put_bytes, self.max_fetch_bytes) <= 0:
+            raise ValueError("max_put_bytes and max_fetch_bytes must be > 0")
+        if self.retry_down_after_s < 0:
+            raise ValueError("retry_down_after_s must be >= 0")
+
+
+@dataclass(slots=True)
+class RemoteCounters:
+    lookups: int = 0
+    hits_tokens: int = 0
+    fetch_failures: int = 0
+    overdue_lookups: int = 0
+    probes_skipped_down: int = 0
+    puts_skipped_full: int = 0  # write-throughs past max_put_bytes
+    fetches_skipped_full: int = 0  # fetches past max_fetch_bytes (recomputed)
+    fetches_skipped_slower: int = 0  # recomputing was predicted faster than fetching
+    puts: int = 0
+    put_failures: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return {name: getattr(self, name) for name in self.__slots__}
