@@ -101,3 +101,29 @@ def test_restore_fails_cleanly_when_the_pool_is_full() -> None:
     alloc.free(hog)
     off.drop(0)
     assert alloc.available_size() == SLOTS
+
+
+def test_release_for_admission_frees_the_largest_reservations_until_the_deficit_is_covered() -> None:
+    """Where drafting does not pay, offloaded rows give their compressed-KV slots to admission:
+    largest first, only as many rows as the deficit needs, and admission sees them freed."""
+    from types import SimpleNamespace
+
+    from sglang_vericache.srt.offloader import PoolOffloader
+    from sglang_vericache.srt.step_costs import release_for_admission
+
+    kv, rows, alloc = _pools(1)
+    off = PoolOffloader(kv, rows, alloc, LAYERS)
+    for row, reserve in ((0, 10), (1, 30), (2, 20)):
+        _fill_row(rows, alloc, row, 60)
+        off.offload(row, 0, 60, reserve * off.slot_bytes)
+    _fill_row(rows, alloc, 3, 20)  # resident: nothing reserved, nothing to give
+    batch = SimpleNamespace(req_pool_indices=torch.tensor([0, 1, 2, 3]))
+    assert release_for_admission(batch, [0, 1, 2, 3], off) == []  # nobody waits for room
+    off.ledger.admission_deficit = 25
+    free0, freed0 = alloc.available_size(), off.ledger.freed_slots
+    assert release_for_admission(batch, [0, 1, 2, 3], off) == [1]  # 30 slots cover 25
+    assert alloc.available_size() == free0 + 30 and off.ledger.freed_slots == freed0 + 30
+    assert off.ledger.span(1).reserved.numel() == 0 and off.ledger.span(1).host.length == 60
+    off.ledger.admission_deficit = 25
+    assert release_for_admission(batch, [0, 1, 2], off) == [2, 0]  # 20 + 10
+    off.ledger.check_integrity(rows.req_to_token)

@@ -110,3 +110,11 @@ class StepRows:
             grammar=[i for i, m in enumerate(modes)
                      if m.drafted and getattr(reqs[i], "grammar", None) is not None],
         )  # fmt: skip
+
+    def without(self, rows: set[int]) -> StepRows:
+        """The same step with ``rows`` decoded plainly (their compressed KV was dropped)."""
+        if not rows:
+            return self
+        keep = lambda xs: [i for i in xs if i not in rows]  # noqa: E731
+        return StepRows(keep(self.drafted), keep(self.sampled),
+                        sorted({*self.plain, *(set(self.drafted) & rows)}), keep(self.grammar))

@@ -127,6 +127,17 @@ class PoolOffloader:
         self.ledger.release(row)
         return True
 
+    def release_reserved(self, row: int) -> int:
+        """Free ``row``'s reserved compressed-KV slots (its compressed KV is dropped; its full KV
+        stays offloaded). Returns the slots freed; admission sees them (``freed_slots``)."""
+        entry = self.ledger.span(row)
+        if entry is None:
+            return 0
+        n = int(entry.reserved.numel())
+        self._free_reserved(entry)
+        self.ledger.freed_slots += n
+        return n
+
     def drop(self, row: int) -> None:
         """Forget ``row``'s host range and free its reserved slots (its request is gone)."""
         entry = self.ledger.release(row)

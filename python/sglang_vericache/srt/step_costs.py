@@ -5,7 +5,9 @@
 - ``*_shape``: the shape of each forward the worker times, for the cost fit
   (``verify/step_cost.py``);
 - ``relieve_pressure``: offload resident drafted rows while admission or the next step is short
-  of pool slots (``placement.py``).
+  of pool slots (``placement.py``);
+- ``release_for_admission``: where drafting does not pay, free offloaded rows' compressed-KV
+  slots for admission (those rows then decode offload-only).
 """
 
 from __future__ import annotations
@@ -72,3 +74,25 @@ def relieve_pressure(batch: Any, states: Mapping[str, Any], offloader: Any, widt
         owned_from, committed, compressed = owner[row]
         moved += offloader.offload(row, owned_from, committed, compressed, min_tokens=1).moved
     return moved
+
+
+def release_for_admission(batch: Any, drafted: Sequence[int], offloader: Any) -> list[int]:
+    """Rows (of ``drafted``) whose reserved compressed-KV slots are freed for admission: the
+    largest reservations first, until the deficit admission reported is covered. Call only
+    where drafting does not pay; the caller drops those rows' compressed KV."""
+    ledger = offloader.ledger
+    if ledger.admission_deficit <= 0:
+        return []
+    pool_rows = batch.req_pool_indices.tolist()
+    held = []
+    for i in drafted:
+        span = ledger.span(pool_rows[i])
+        if span is not None and span.reserved.numel():
+            held.append((int(span.reserved.numel()), i))
+    released, freed = [], 0
+    for _, i in sorted(held, reverse=True):
+        if freed >= ledger.admission_deficit:
+            break
+        freed += offloader.release_reserved(pool_rows[i])
+        released.append(i)
+    return released

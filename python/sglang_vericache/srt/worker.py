@@ -59,31 +59,32 @@ from sglang_vericache.srt.eligibility import (
     decode_mode,
     plain_reason,
     prefill_only,
-    whole_step_reason,
 )
 from sglang_vericache.srt.metrics import VeriCacheExporter, request_meta_info
 from sglang_vericache.srt.offloader import PoolOffloader
 from sglang_vericache.srt.patches import publish_meta_info
 from sglang_vericache.srt.plugin import vericache_config
 from sglang_vericache.srt.remote_prefix import link_for
+from sglang_vericache.srt.request_book import RequestBook
 from sglang_vericache.srt.row_acceptance import SampledDrafts, draft_column
 from sglang_vericache.srt.row_sampling import commit_verify
 from sglang_vericache.srt.step_costs import (
     draft_shape,
     plain_shape,
+    release_for_admission,
     relieve_pressure,
     step_rows,
     verify_shape,
 )
-from sglang_vericache.verify import VeriCacheStats, VerifyRecord
+from sglang_vericache.verify import VerifyRecord
 from sglang_vericache.verify.grammar_chain import GrammarChain
 from sglang_vericache.verify.stats import DecodeMode
 from sglang_vericache.verify.step_cost import ForwardKind
+from sglang_vericache.verify.step_plan import PLAIN_FASTER
 
 logger = logging.getLogger(__name__)
 
 OBS_WINDOW = 32  # prompt queries kept for attention-scored compressors (SnapKV, H2O)
-OFFLOAD_ONLY = "--vericache-draft-len 0: full KV offloaded, read back for every token, no drafts"
 
 
 class VeriCacheWorker(BaseSpecWorker):
@@ -99,19 +100,17 @@ class VeriCacheWorker(BaseSpecWorker):
         self.compressor = build_compressor(self.config.compressor)
         self.speculative_num_draft_tokens = int(server_args.speculative_num_draft_tokens)
         self.num_layers = self.model_runner.model_config.num_hidden_layers
-        self.states: dict[str, RequestDraftState] = {}
-        self.plain: dict[str, VeriCacheStats] = {}
         self._offloader: PoolOffloader | None = None
         self._ahead: DraftAhead | None = None
         self._empty_view: list[tuple[torch.Tensor, torch.Tensor]] | None = None
-        # rid -> [drafts made while its prefix was fetched, how many of them went to verify]
-        self.ahead_used: dict[str, list[int]] = {}
         # --vericache-draft-len 0: the offload-only baseline (full KV off the device, no drafts)
         self.offload_only = self.config.draft_len == 0
         self.draft_length = DraftLengthController(
             None if self.offload_only else self.config.draft_len,
             self.speculative_num_draft_tokens - 1,
         )
+        self.book = RequestBook(self.draft_length, self.offload_only)
+        self.states = self.book.states  # rid -> RequestDraftState of each drafted request
         # Draws of sampled rows without a sampling_seed (seeded rows hash their own seed), seeded
         # like SGLang's sampler: --random-seed as the target worker resolved it.
         self.generator = torch.Generator(device=self.device)
@@ -168,17 +167,20 @@ class VeriCacheWorker(BaseSpecWorker):
     # -- the scheduler's entry point -----------------------------------------------------------
 
     def forward_batch_generation(self, batch, on_publish=None, pp_proxy_tensors=None):
-        self._forget_finished(batch)
-        # The rows this step drafts; the others take one exact token (``srt/row_sampling.py``).
-        step = None if batch.forward_mode.is_extend() else StepRows.of(
-            batch.reqs, drafting=not self.offload_only)  # fmt: skip
-        if step is None:
+        if batch.forward_mode.is_decode():  # who left the batch (aborted, retracted) is gone;
+            self.book.keep_only({r.rid for r in batch.reqs})  # finished ones leave on release
+        if batch.forward_mode.is_extend():
             result = self._prefill(batch, pp_proxy_tensors)
         else:
+            # The rows this step drafts; the others take one exact token (srt/row_sampling.py).
+            step = StepRows.of(batch.reqs, drafting=not self.offload_only).without(
+                self.book.demoted_rows(batch.reqs))  # fmt: skip
             self._sync_states(batch, step.drafted)
             moved = relieve_pressure(batch, self.states, self.offloader,
                                      self.speculative_num_draft_tokens)  # fmt: skip
             plan = self.draft_length.plan(step_rows(batch, self.states, step.drafted))
+            if plan.reason == PLAIN_FASTER:
+                self._demote_for_room(batch, step.drafted)
             if self.metrics is not None:
                 self.metrics.observe_step(plan.reason)
                 self.metrics.observe_pressure_offload(moved)
@@ -191,9 +193,17 @@ class VeriCacheWorker(BaseSpecWorker):
         self._publish_placement()
         return result
 
+    def _demote_for_room(self, batch, drafted: list[int]) -> None:
+        """Drafting does not pay and admission is short: rows whose compressed KV held pool
+        slots drop it and decode from their offloaded full KV from now on (offload-only)."""
+        for i in release_for_admission(batch, drafted, self.offloader):
+            self.book.demote(batch.reqs[i].rid)
+            logger.info("request %s: compressed KV dropped for admission (drafting does not "
+                        "pay); it decodes offload-only", batch.reqs[i].rid)  # fmt: skip
+
     def _publish_placement(self) -> None:
         if self.metrics is not None:
-            self.metrics.set_placement(self.offloader.ledger, len(self.states) + len(self.plain))
+            self.metrics.set_placement(self.offloader.ledger, len(self.book))
 
     def _sync_states(self, batch, drafted: list[int]) -> None:
         """Every drafted row gets a compressed KV covering exactly its committed KV."""
@@ -206,19 +216,6 @@ class VeriCacheWorker(BaseSpecWorker):
                 self.offloader.layer_reader(rows[i], base), base, self.num_layers, decode_mode(req),
             )  # fmt: skip
 
-    def _forget_finished(self, batch) -> None:
-        """Drop the state of requests that left the decode batch (aborted, retracted).
-
-        Finished requests are released in ``note_request_finished``; this catches the rest. A
-        prefill batch holds only newly admitted requests, so only decode batches say who left.
-        """
-        if not batch.forward_mode.is_decode():
-            return
-        live = {r.rid for r in batch.reqs}
-        for table in (self.states, self.plain, self.draft_length.estimates, self.ahead_used):
-            for rid in [rid for rid in table if rid not in live]:
-                del table[rid]
-
     def note_request_finished(self, *, rid: str, natural_stop: bool) -> None:
         state = self.states.pop(rid, None)
         if state is not None and self.ahead is not None:
@@ -227,10 +224,7 @@ class VeriCacheWorker(BaseSpecWorker):
 
     def _forget(self, rid: str) -> None:
         """Drop everything held for ``rid`` (idempotent: finish, then release, both call it)."""
-        self.states.pop(rid, None)
-        self.plain.pop(rid, None)
-        self.ahead_used.pop(rid, None)  # reported in meta_info["vericache"] until now
-        self.draft_length.forget(rid)
+        self.book.forget(rid)
         self._publish_placement()
 
     def _result(self, batch, next_token_ids, accept_lens, new_seq_lens, logits_output):
@@ -261,18 +255,15 @@ class VeriCacheWorker(BaseSpecWorker):
         for i, req in enumerate(batch.reqs):
             if self.ahead is not None and req.rid in self.ahead.jobs:
                 # admitted: its full KV is here; the drafts made meanwhile feed the first steps
-                self.ahead_used[req.rid] = [self.ahead.halt(req.rid), 0]
+                self.book.ahead_used[req.rid] = [self.ahead.halt(req.rid), 0]
             if req is batch.chunked_req:
                 continue  # prompt not complete yet: compress after its last chunk
             mode = DecodeMode.PLAIN if self.offload_only else decode_mode(req)
             if self.metrics is not None:
                 self.metrics.observe_request(mode)
-            if plain_reason(req) is not None:
-                self.plain[req.rid] = VeriCacheStats.plain(plain_reason(req))
-                continue
-            if self.offload_only:
-                self.plain[req.rid] = VeriCacheStats.plain(OFFLOAD_ONLY)
-                self._offload(req, rows[i], seq_lens[i], 0)
+            if plain_reason(req) is not None or self.offload_only:
+                self.book.note_plain(req)
+                self._offload(req, rows[i], seq_lens[i], 0)  # offload-only rows: all of it
                 continue
             queries = [capture.queries[i].get(layer) if capture.queries else None
                        for layer in range(self.num_layers)]  # fmt: skip
@@ -292,7 +283,7 @@ class VeriCacheWorker(BaseSpecWorker):
     def _plain_step(self, batch):
         """One token per request with SGLang's own decode forward and sampler (no drafting)."""
         for req in batch.reqs:
-            self._note_plain(req)
+            self.book.note_plain(req)
         base = batch.seq_lens_cpu.clone()
         set_decode_inputs(batch, self.offloader.table, last_tokens(batch, self.device), base, 0)
         rows = batch.req_pool_indices.tolist()
@@ -301,20 +292,14 @@ class VeriCacheWorker(BaseSpecWorker):
         self.draft_length.observe_forward(ForwardKind.PLAIN, plain_shape(batch),
                                           time.perf_counter() - started)  # fmt: skip
         for i, req in enumerate(batch.reqs):
-            state, plain = self.states.get(req.rid), self.plain.get(req.rid)
+            state = self.states.get(req.rid)
             if state is not None:
                 slots = self.offloader.row_slots(rows[i], int(base[i]), int(base[i]) + 1)
                 state.append(self.offloader.read_slots, slots, [None] * self.num_layers)
-            if state is not None or (plain is not None and plain.plain_reason == OFFLOAD_ONLY):
+            if state is not None or self.book.offloads_plainly(req.rid):
                 self._offload(req, rows[i], int(base[i]) + 1, 0 if state is None else state.nbytes)
         tokens, ones = one_token_rows(out, self.speculative_num_draft_tokens)
         return self._result(batch, tokens, ones, (base + 1).to(self.device), out.logits_output)
-
-    def _note_plain(self, req) -> None:
-        if req.rid not in self.plain and req.rid not in self.states:
-            reason = plain_reason(req) or whole_step_reason(req) or "plain step"
-            reason = OFFLOAD_ONLY if self.offload_only else reason
-            self.plain[req.rid] = VeriCacheStats.plain(reason)
 
     def _draft(self, batch, base: torch.Tensor, rows: torch.Tensor, drafted: list[int],
                sampled: SampledDrafts | None, grammar: GrammarChain | None) -> None:  # fmt: skip
@@ -355,12 +340,12 @@ class VeriCacheWorker(BaseSpecWorker):
         (``srt/row_acceptance.py``)."""
         bs, drafted, plain_rows = len(batch.reqs), step.drafted, step.plain
         for i in plain_rows:
-            self._note_plain(batch.reqs[i])
+            self.book.note_plain(batch.reqs[i])
         width = 1 + drafts
         base = batch.seq_lens_cpu.clone()
         # Drafts made while fetching are greedy, unmasked and carry no q: all-greedy steps only.
         ahead = None if plain_rows or step.sampled or step.grammar else batch_proposals(
-            self.ahead, batch.reqs, width - 1, self.ahead_used, self.device)
+            self.ahead, batch.reqs, width - 1, self.book.ahead_used, self.device)
         if ahead is not None:  # every request was drafted while its prefix was fetched
             width = 1 + ahead.shape[1]
         rows = torch.empty(bs, width, dtype=torch.int64, device=self.device)
@@ -394,6 +379,8 @@ class VeriCacheWorker(BaseSpecWorker):
             queries = [capture.queries[i][layer] for layer in range(self.num_layers)]
             self._commit(batch.reqs[i], pool_rows[i], int(base[i]), int(accept_lens[i]),
                          int(draft_lens[i]), queries)  # fmt: skip
+        for i in self.book.demoted_rows(batch.reqs):  # their token follows their KV to the host
+            self._offload(batch.reqs[i], pool_rows[i], int(base[i]) + 1, 0)
         # the verify's cost includes its commit bookkeeping: what a drafted step adds per row
         self.draft_length.observe_forward(ForwardKind.VERIFY, verify_shape(batch, width),
                                           time.perf_counter() - started)  # fmt: skip
@@ -422,7 +409,6 @@ class VeriCacheWorker(BaseSpecWorker):
 
     def _meta_info(self, rid: str, row: int) -> dict[str, Any]:
         """``meta_info["vericache"]`` of one request (``srt/metrics.py``)."""
-        state = self.states.get(rid)
-        stats = state.stats if state is not None else self.plain.get(rid)
-        return request_meta_info(stats, state, self.offloader.ledger.span(row),
-                                 self.ahead_used.get(rid, (0, 0)))  # fmt: skip
+        return request_meta_info(self.book.stats(rid), self.states.get(rid),
+                                 self.offloader.ledger.span(row),
+                                 self.book.ahead_used.get(rid, (0, 0)))  # fmt: skip

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from sglang_vericache.verify.policy import expected_committed
 from sglang_vericache.verify.step_cost import ForwardKind, ForwardShape, StepCostModel
 
+PLAIN_FASTER = "plain decoding is faster"  # the reason of a measured no-draft decision
+
 
 @dataclass(frozen=True, slots=True)
 class PlannedRow:
@@ -99,7 +101,7 @@ class StepPlanner:
             drafting = not drafting  # keep the losing mode's fit fresh
             reason = "exploring"
         else:
-            reason = "drafting pays" if drafting else "plain decoding is faster"
+            reason = "drafting pays" if drafting else PLAIN_FASTER
         return StepDecision(x if drafting else 0, reason, plain_rate, draft_rate)
 
     def _candidates(self, rows: Sequence[PlannedRow]) -> range:

@@ -1,0 +1,88 @@
+"""Every request the worker holds VeriCache state for, in one place.
+
+From its prefill until it leaves, a request is in exactly one of two tables:
+
+- ``states``: drafted (greedy or sampled rows): its compressed KV and counters
+  (``RequestDraftState``);
+- ``plain``: decoded plainly, with its counters and why (``VeriCacheStats.plain``). Plain rows
+  whose full KV is offloaded (``OFFLOAD_ONLY``: ``--vericache-draft-len 0``; ``DEMOTED``: its
+  compressed KV was dropped to make room where drafting did not pay) move every committed
+  token's KV to the host too.
+
+``ahead_used`` (drafts made while its prefix was fetched, and how many went to verify) and the
+draft-length controller's acceptance estimate ride along. ``forget`` drops all of it
+(idempotent: a finish and the row's release both call it); ``keep_only`` drops requests that
+left the decode batch (aborted, retracted). Scheduler thread only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sglang_vericache.srt.draft_length import DraftLengthController
+from sglang_vericache.srt.draft_state import RequestDraftState
+from sglang_vericache.srt.eligibility import plain_reason, whole_step_reason
+from sglang_vericache.verify import VeriCacheStats
+
+OFFLOAD_ONLY = "--vericache-draft-len 0: full KV offloaded, read back for every token, no drafts"
+DEMOTED = ("compressed KV dropped to make room: drafting did not pay here; full KV offloaded, "
+           "read back for every token")  # fmt: skip
+
+
+class RequestBook:
+    """The worker's per-request tables (module doc). ``offload_only``: every request is plain
+    with ``OFFLOAD_ONLY``."""
+
+    def __init__(self, draft_length: DraftLengthController, offload_only: bool) -> None:
+        self.draft_length = draft_length
+        self.offload_only = offload_only
+        self.states: dict[str, RequestDraftState] = {}
+        self.plain: dict[str, VeriCacheStats] = {}
+        self.ahead_used: dict[str, list[int]] = {}
+
+    def __len__(self) -> int:
+        """Requests tracked (0 when idle: nothing leaked)."""
+        return len(self.states) + len(self.plain)
+
+    def stats(self, rid: str) -> VeriCacheStats | None:
+        state = self.states.get(rid)
+        return state.stats if state is not None else self.plain.get(rid)
+
+    def note_plain(self, req: Any, reason: str | None = None) -> None:
+        """``req`` decodes plainly (once noted, it keeps its first reason)."""
+        if req.rid in self.plain or req.rid in self.states:
+            return
+        reason = reason or plain_reason(req) or whole_step_reason(req) or "plain step"
+        self.plain[req.rid] = VeriCacheStats.plain(OFFLOAD_ONLY if self.offload_only else reason)
+
+    def demote(self, rid: str) -> None:
+        """``rid`` drops its compressed KV and decodes offload-only from now on."""
+        self.states.pop(rid, None)
+        self.plain[rid] = VeriCacheStats.plain(DEMOTED)
+
+    def demoted_rows(self, reqs: list[Any]) -> set[int]:
+        """Indices of ``reqs`` that were demoted (they decode plainly, never draft again)."""
+        return {i for i, r in enumerate(reqs)
+                if r.rid in self.plain and self.plain[r.rid].plain_reason == DEMOTED}  # fmt: skip
+
+    def offloads_plainly(self, rid: str) -> bool:
+        """A plain row whose committed KV follows the rest of its KV to the host."""
+        plain = self.plain.get(rid)
+        return plain is not None and plain.plain_reason in (OFFLOAD_ONLY, DEMOTED)
+
+    def keep_only(self, live: set[str]) -> None:
+        """Forget every request not in ``live`` (the decode batch says who is running)."""
+        for table in (self.states, self.plain, self.draft_length.estimates, self.ahead_used):
+            for rid in [rid for rid in table if rid not in live]:
+                del table[rid]
+
+    def forget(self, rid: str) -> None:
+        self.states.pop(rid, None)
+        self.plain.pop(rid, None)
+        self.ahead_used.pop(rid, None)  # reported in meta_info["vericache"] until now
+        self.draft_length.forget(rid)
+
+    def check_integrity(self) -> None:
+        assert not self.states.keys() & self.plain.keys(), "a request both drafted and plain"
+        for rid, stats in self.plain.items():
+            assert stats.plain_reason, f"plain request {rid} without a reason"

@@ -1,0 +1,47 @@
+"""srt/request_book.py: one home for the worker's per-request tables, and StepRows.without."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from sglang_vericache.srt.draft_length import DraftLengthController
+from sglang_vericache.srt.eligibility import StepRows
+from sglang_vericache.srt.request_book import DEMOTED, OFFLOAD_ONLY, RequestBook
+
+
+def _req(rid: str, **sampling):
+    params = {"temperature": 0.0, "top_k": 1, "top_p": 1.0, "min_p": 0.0,
+              "frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0,
+              "logit_bias": None, "min_new_tokens": 0, "max_new_tokens": 16, **sampling}  # fmt: skip
+    return SimpleNamespace(rid=rid, sampling_params=SimpleNamespace(**params), grammar=None,
+                           return_hidden_states=False, custom_logit_processor=None)  # fmt: skip
+
+
+def test_a_demoted_request_is_plain_offloaded_and_never_drafts_again() -> None:
+    book = RequestBook(DraftLengthController(None, 4), offload_only=False)
+    book.states["a"] = SimpleNamespace(stats=None)  # a drafted request's state
+    book.draft_length.observe("a", 4, 2)
+    book.demote("a")
+    reqs = [_req("x"), _req("a"), _req("y")]
+    assert book.demoted_rows(reqs) == {1} and book.offloads_plainly("a")
+    assert book.stats("a").plain_reason == DEMOTED and "a" not in book.states
+    book.check_integrity()
+    step = StepRows(drafted=[0, 1, 2], sampled=[1], plain=[], grammar=[2]).without({1})
+    assert (step.drafted, step.sampled, step.plain, step.grammar) == ([0, 2], [], [1], [2])
+    book.keep_only({"x"})
+    assert len(book) == 0 and "a" not in book.draft_length.estimates
+
+
+def test_plain_reasons_and_forget() -> None:
+    book = RequestBook(DraftLengthController(None, 4), offload_only=False)
+    book.note_plain(_req("p", repetition_penalty=1.2))
+    assert "penalt" in book.stats("p").plain_reason and not book.offloads_plainly("p")
+    book.note_plain(_req("p"), "another reason")  # keeps its first reason
+    assert "penalt" in book.stats("p").plain_reason
+    only = RequestBook(DraftLengthController(0, 4), offload_only=True)
+    only.note_plain(_req("o"))
+    assert only.stats("o").plain_reason == OFFLOAD_ONLY and only.offloads_plainly("o")
+    book.ahead_used["p"] = [3, 1]
+    book.forget("p")
+    book.forget("p")  # idempotent
+    assert len(book) == 0 and not book.ahead_used
