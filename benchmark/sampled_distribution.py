@@ -174,6 +174,7 @@ def main() -> None:
     ap.add_argument("--configs", type=int, default=len(CONFIGS))
     ap.add_argument("--wrong-temperature", type=float, default=0.8,
                     help="plain at the first config's temperature vs plain at this one")  # fmt: skip
+    ap.add_argument("--batch", type=int, default=64, help="continuations per /generate call")
     ap.add_argument("--draft-len", default="4", help="--vericache-draft-len")
     ap.add_argument("--compressor", default=COMPRESSOR, help="--vericache-compressor")
     ap.add_argument("--out", type=Path, default=REPO / "benchmark/results/sampled_distribution")
@@ -197,12 +198,14 @@ def main() -> None:
             for p, t, tp in settings:
                 bar.set_description(f"{side} T={t} top_p={tp}")
                 sp = {"temperature": t, "top_p": tp, "max_new_tokens": 3, "ignore_eos": True}
-                samples[f"{side}|{p}|{t}|{tp}"] = sample(server.url, p, sp, args.n, progress=bar)
+                samples[f"{side}|{p}|{t}|{tp}"] = sample(server.url, p, sp, args.n, args.batch,
+                                                           bar)  # fmt: skip
             if side == "plain":
                 wrong_t = args.wrong_temperature
+                bar.set_description(f"plain T={wrong_t} (the wrong variant)")
                 sp = {"temperature": wrong_t, "top_p": configs[0][1], "max_new_tokens": 3,
                       "ignore_eos": True}  # fmt: skip
-                samples["wrong"] = sample(server.url, prompts[0], sp, args.n, progress=bar)
+                samples["wrong"] = sample(server.url, prompts[0], sp, args.n, args.batch, bar)
     bar.close()
     rows = []
     for p, t, tp in settings:
