@@ -32,7 +32,7 @@ sys.path.insert(0, str(REPO))
 
 from sglang_vericache.exactness.server import SGLangServer  # noqa: E402
 from sglang_vericache.models import ensure_default_model  # noqa: E402
-from sglang_vericache.tier.process import ServerProcess  # noqa: E402
+from sglang_vericache.exactness.tier_server import ServerProcess  # noqa: E402
 
 
 def replay(urls: list[str], sessions: Path, out: Path, args: argparse.Namespace) -> dict:

@@ -1,10 +1,20 @@
-"""One blocking request to the zmq KV server (ping / stats / exists / corrupt).
+"""One blocking request to the zmq KV server (ping / stats / exists / corrupt), and its CLI.
 
-For tests, health checks and tools, never for the scheduler thread (use ZmqTier there).
+For health checks, tools and tests, never for the scheduler thread (use ZmqTier there)::
+
+    python -m sglang_vericache.tier.admin ping  [--endpoint tcp://127.0.0.1:7300] [--secret-file F]
+    python -m sglang_vericache.tier.admin stats [...]
+
+prints the server's reply as JSON (``stats``: entries, used and capacity bytes, hits, misses,
+evictions, refusals...; and the store's integrity check); exit status 0 when the server answered
+ok, 1 when it refused or did not answer in time (a health check), 2 for a bad secret.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
+import sys
 from typing import Any
 
 import zmq
@@ -39,3 +49,34 @@ def server_request(endpoint: str, op: Op, fields: dict[str, Any] | None = None, 
         return reply
     finally:
         sock.close(linger=0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m sglang_vericache.tier.admin",
+                                description="Ask a VeriCache KV server for its health or stats.")
+    p.add_argument("op", choices=[Op.PING.value, Op.STATS.value])
+    p.add_argument("--endpoint", default="tcp://127.0.0.1:7300",
+                   help="the KV server (zmq://HOST:PORT as in --vericache-tier works too)")
+    p.add_argument("--secret-file", default=None,
+                   help="the shared secret's file (default: $VERICACHE_TIER_SECRET, else the "
+                        "file the servers on this machine share)")
+    p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the reply")
+    args = p.parse_args(argv)
+    endpoint = "tcp://" + args.endpoint.removeprefix("zmq://").removeprefix("tcp://")
+    try:
+        secret = resolve_secret(args.secret_file, create=False)
+    except (OSError, ValueError) as exc:
+        print(f"no usable shared secret: {exc}", file=sys.stderr)
+        return 2
+    try:
+        reply = server_request(endpoint, Op(args.op), secret=secret, timeout_s=args.timeout)
+    except (TimeoutError, ValueError) as exc:  # ProtocolError is a ValueError
+        print(f"{endpoint}: {exc}", file=sys.stderr)
+        return 1
+    shown = {k: v for k, v in reply.items() if not isinstance(v, bytes)}  # not the MAC, nonce
+    print(json.dumps(shown, indent=2, sort_keys=True))
+    return 0 if reply.get("ok") else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -254,3 +254,27 @@ def test_random_mix_of_tasks_and_cancels_returns_each_result_once(server: Server
     assert stats["submitted"] == stats["completed"] == len(submitted)
     server.stats()  # the server's own integrity check
     tier.close()
+
+
+def test_admin_cli_reports_stats_and_fails_a_health_check_on_a_dead_server(
+    server: ServerProcess,
+) -> None:
+    """``python -m sglang_vericache.tier.admin``: an operator's health check and stats."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from tier_testlib import PACKAGE_ROOT, free_port
+
+    env = {**os.environ, "PYTHONPATH": PACKAGE_ROOT}
+    cmd = [sys.executable, "-m", "sglang_vericache.tier.admin"]
+    ok = subprocess.run(cmd + ["stats", "--endpoint", server.spec], env=env, capture_output=True,
+                        text=True, timeout=60)  # fmt: skip
+    assert ok.returncode == 0, ok.stderr
+    reply = json.loads(ok.stdout)
+    assert reply["ok"] and reply["integrity"] == "ok" and "capacity_bytes" in reply["stats"], reply
+    dead = f"tcp://127.0.0.1:{free_port()}"
+    down = subprocess.run(cmd + ["ping", "--endpoint", dead, "--timeout", "0.5"], env=env,
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert down.returncode == 1 and dead in down.stderr and "no reply" in down.stderr

@@ -6,10 +6,11 @@ import time
 from collections.abc import Sequence
 
 import zmq
+from sglang_vericache.exactness.server import free_port  # noqa: F401
+from sglang_vericache.exactness.tier_server import PACKAGE_ROOT, ServerProcess  # noqa: F401
 from sglang_vericache.tier.auth import ClientSession
 from sglang_vericache.tier.base import FullKVTier, TaskId, TaskResult
 from sglang_vericache.tier.geometry import KVGeometry
-from sglang_vericache.tier.process import PACKAGE_ROOT, ServerProcess, free_port  # noqa: F401
 from sglang_vericache.tier.protocol import unpack_header
 from sglang_vericache.tier.secret import resolve_secret
 

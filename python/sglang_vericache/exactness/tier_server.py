@@ -1,10 +1,10 @@
-"""The zmq KV server as a child process: for tests, benchmarks and scripts on one machine."""
+"""The zmq KV server as a child process, for tests and benchmarks on one machine (the tier's
+counterpart of ``server.SGLangServer``)."""
 
 from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -16,12 +16,6 @@ from sglang_vericache.tier.protocol import Op
 from sglang_vericache.tier.secret import TierSecret
 
 PACKAGE_ROOT = str(Path(sglang_vericache.__file__).resolve().parents[1])
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class ServerProcess:
