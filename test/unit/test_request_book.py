@@ -7,6 +7,7 @@ from types import SimpleNamespace
 from sglang_vericache.srt.draft_length import DraftLengthController
 from sglang_vericache.srt.eligibility import StepRows
 from sglang_vericache.srt.request_book import DEMOTED, OFFLOAD_ONLY, RequestBook
+from sglang_vericache.verify import VeriCacheStats, VerifyRecord
 
 
 def _req(rid: str, **sampling):
@@ -19,15 +20,23 @@ def _req(rid: str, **sampling):
 
 def test_a_demoted_request_is_plain_offloaded_and_never_drafts_again() -> None:
     book = RequestBook(DraftLengthController(None, 4), offload_only=False)
-    book.states["a"] = SimpleNamespace(stats=None)  # a drafted request's state
+    stats = VeriCacheStats()
+    stats.record(VerifyRecord(drafted=4, committed=3, bytes_fetched=0, wait_full_s=0.0))
+    book.states["a"] = SimpleNamespace(stats=stats)  # a drafted request's state
     book.draft_length.observe("a", 4, 2)
     book.demote("a")
     reqs = [_req("x"), _req("a"), _req("y")]
     assert book.demoted_rows(reqs) == {1} and book.offloads_plainly("a")
-    assert book.stats("a").plain_reason == DEMOTED and "a" not in book.states
+    demoted = book.stats("a")
+    assert demoted.plain_reason == DEMOTED and "a" not in book.states
+    # what it drafted before stays counted (meta_info would otherwise restart at zero)
+    assert (demoted.mode.value, demoted.drafted, demoted.accepted, demoted.committed) == (
+        "plain", 4, 2, 3)
+    demoted.check_integrity()
     book.check_integrity()
     step = StepRows(drafted=[0, 1, 2], sampled=[1], plain=[], grammar=[2]).without({1})
     assert (step.drafted, step.sampled, step.plain, step.grammar) == ([0, 2], [], [1], [2])
+    assert step.demoted == [1]
     book.keep_only({"x"})
     assert len(book) == 0 and "a" not in book.draft_length.estimates
 

@@ -56,9 +56,11 @@ class RequestBook:
         self.plain[req.rid] = VeriCacheStats.plain(OFFLOAD_ONLY if self.offload_only else reason)
 
     def demote(self, rid: str) -> None:
-        """``rid`` drops its compressed KV and decodes offload-only from now on."""
-        self.states.pop(rid, None)
-        self.plain[rid] = VeriCacheStats.plain(DEMOTED)
+        """``rid`` drops its compressed KV and decodes offload-only from now on (its counters
+        keep what it drafted before)."""
+        state = self.states.pop(rid, None)
+        self.plain[rid] = (VeriCacheStats.plain(DEMOTED) if state is None
+                           else state.stats.demoted(DEMOTED))  # fmt: skip
 
     def demoted_rows(self, reqs: list[Any]) -> set[int]:
         """Indices of ``reqs`` that were demoted (they decode plainly, never draft again)."""

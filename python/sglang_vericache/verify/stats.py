@@ -7,7 +7,7 @@ Prometheus; nothing here imports prometheus.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 
 __all__ = [
@@ -80,7 +80,8 @@ class VeriCacheStats:
 
     ``accepted <= drafted`` and ``committed == accepted + verify_steps`` hold
     at all times (every verification commits exactly one non-draft token).
-    A PLAIN request keeps every counter at zero and names its reason. For a
+    A PLAIN request names its reason and records no verification; its counters stay at zero,
+    or at what it drafted before it was demoted to plain decoding (``demoted``). For a
     SAMPLED request ``accepted`` counts drafts that passed their min(1, p/q) coin.
     """
 
@@ -101,6 +102,13 @@ class VeriCacheStats:
         if not reason:
             raise ValueError("a plain-decoded request must say why")
         return cls(mode=DecodeMode.PLAIN, plain_reason=reason)
+
+    def demoted(self, reason: str) -> VeriCacheStats:
+        """These counters, PLAIN from now on for ``reason`` (a drafted request that stops
+        drafting keeps what it drafted, accepted and committed so far)."""
+        if not reason:
+            raise ValueError("a plain-decoded request must say why")
+        return replace(self, mode=DecodeMode.PLAIN, plain_reason=reason)
 
     def record(self, rec: VerifyRecord) -> None:
         """Add one verification. Raises on a PLAIN request."""
@@ -154,6 +162,5 @@ class VeriCacheStats:
         assert self.committed == self.accepted + self.verify_steps
         if self.mode is DecodeMode.PLAIN:
             assert self.plain_reason, "plain mode needs a reason"
-            assert self.verify_steps == 0 and self.drafted == 0
         else:
             assert not self.plain_reason
