@@ -185,6 +185,12 @@ def test_prometheus_metrics_count_verifications(kivi_server, prompts) -> None:
         values["vericache:accepted_tokens_total"] + values["vericache:verify_steps_total"])
     assert values.get("vericache:accept_length_count", 0) == values["vericache:verify_steps_total"]
     assert values.get("vericache:requests_total", 0) >= 1
+    # the step profile: every decode step is profiled, drafting steps count their forwards
+    decode_steps = values["vericache:decode_steps_total"]
+    assert values.get("vericache:profiled_steps_total", 0) == decode_steps, sorted(values)
+    assert values["vericache:step_phase_seconds_total"] > 0
+    assert values.get("vericache:draft_forwards_total", 0) > 0
+    assert values.get("vericache:step_transient_bytes_peak", 0) > 0
 
 
 def test_meta_info_is_current_at_the_end_of_long_and_streamed_outputs(kivi_server, prompts) -> None:

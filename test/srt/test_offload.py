@@ -127,3 +127,42 @@ def test_release_for_admission_frees_the_largest_reservations_until_the_deficit_
     off.ledger.admission_deficit = 25
     assert release_for_admission(batch, [0, 1, 2], off) == [2, 0]  # 20 + 10
     off.ledger.check_integrity(rows.req_to_token)
+
+
+def test_a_wholly_offloaded_row_is_read_in_place_with_its_pool_tail() -> None:
+    """Offloaded from position 0 with room in the host buffer: the read is a view of the host
+    buffer (no copy of the offloaded tokens) holding exactly the pool's bytes, tail included."""
+    from sglang_vericache.srt.offloader import PoolOffloader
+
+    kv, rows, alloc = _pools(1)
+    off = PoolOffloader(kv, rows, alloc, LAYERS)
+    _fill_row(rows, alloc, 2, 150)
+    before = _full_kv(off, 2, 150)
+    off.offload(2, owned_from=0, committed=140, compressed_bytes=0)
+    span = off.ledger.span(2)
+    assert (span.lo, span.hi) == (0, 140)
+    host = span.host.restore()
+    for layer in range(LAYERS):
+        keys, values = off.ledger.read(kv, rows.req_to_token, layer, 2, 150)
+        assert keys.data_ptr() == host[layer, 0].data_ptr()  # in place
+        assert values.data_ptr() == host[layer, 1].data_ptr()
+        assert torch.equal(torch.stack([keys, values]), before[layer])
+    assert span.host.length == 140  # the tail was scratch, not buffered
+
+
+def test_a_row_in_one_run_of_pool_slots_is_read_in_place() -> None:
+    """A resident row whose slots are one ascending run is a view of the pool; a scattered row
+    is gathered; both hold the pool's bytes."""
+    from sglang_vericache.srt.offload import OffloadLedger, read_pool_kv
+
+    kv, rows, _ = _pools(1)
+    ledger = OffloadLedger()
+    rows.req_to_token[0, :50] = torch.arange(10, 60, dtype=torch.int32)
+    rows.req_to_token[1, :50] = torch.randperm(50, dtype=torch.int32) + 100
+    for row, in_place in ((0, True), (1, False)):
+        keys, values = ledger.read(kv, rows.req_to_token, 1, row, 50)
+        slots = rows.req_to_token[row, :50].to(torch.int64)
+        want_k, want_v = read_pool_kv(kv, 1, slots)
+        assert torch.equal(keys, want_k) and torch.equal(values, want_v)
+        shares = keys.untyped_storage().data_ptr() == kv.get_key_buffer(1).untyped_storage().data_ptr()
+        assert shares == in_place

@@ -60,14 +60,14 @@ def test_state_builds_grows_and_stays_in_step(pool, spec: str) -> None:
     assert state.nbytes < full_bytes  # the compressed copy is really smaller
     views = state.views()
     assert len(views) == LAYERS and views[0][0].shape[0] == H_KV
-    assert state.views() is views  # cached until the next commit
+    assert state.view_tokens == views[0][0].shape[1]
     for step in range(5):  # commits of 1..5 tokens, with their verify queries
         n = step + 1
         new = torch.arange(100 + 10 * step, 100 + 10 * step + n)
         state.append(reader(pool), new, [torch.randn(H_Q, n, D) for _ in range(LAYERS)])
         state.check_integrity()
     assert state.covered == T + 15
-    assert state.views() is not views
+    assert state.views()[0][0].shape[1] == state.view_tokens  # built on read, never stale
 
 
 def test_identity_compressor_view_is_the_full_kv(pool) -> None:
@@ -162,11 +162,53 @@ def test_penalizers_learn_the_token_plain_sglang_would_feed(overlapped, output, 
     assert penalized_token(output, [1, 2, 99], overlapped) == want
 
 
-def test_empty_view_has_no_tokens(pool) -> None:
-    from sglang_vericache.srt.attention import empty_view
+def _reference_draft_attention(q, state, pool, layer, chain):
+    """Row-by-row attention over cat(view, chain KV): what the padded batch must equal."""
+    from torch.nn.functional import scaled_dot_product_attention
 
-    views = empty_view(LayerPool(pool), LAYERS)
-    assert len(views) == LAYERS and views[0][0].shape == (H_KV, 0, D) == views[0][1].shape
+    keys, values = pool[layer][0][chain].transpose(0, 1), pool[layer][1][chain].transpose(0, 1)
+    if state is not None:
+        vk, vv = state.views()[layer]
+        keys, values = torch.cat([vk, keys], dim=1), torch.cat([vv, values], dim=1)
+    out = scaled_dot_product_attention(q[None, :, None], keys[None], values[None], scale=0.25,
+                                       enable_gqa=True)  # fmt: skip
+    return out[0, :, 0]
+
+
+@pytest.mark.parametrize("spec", ["snapkv:ratio=0.5", "kivi:bits=4",
+                                  "pyramid(snapkv:ratio=0.5):beta=2", "full"])  # fmt: skip
+def test_draft_plan_equals_attention_over_view_and_chain(pool, spec: str) -> None:
+    """Each row gets what attending over its own compressed view + draft chain gives; a row
+    without a state attends over its chain only. Droppers attend in place (nothing copied, the
+    chain written after the view leaves the view as it was); a quantized body is copied one
+    row and layer at a time."""
+    from sglang_vericache.srt.draft_attention import DraftPlan
+    from sglang_vericache.srt.draft_state import RequestDraftState
+
+    compressor = build_compressor(spec)
+    states = []
+    for n in (T, T // 2):
+        queries = [torch.randn(H_Q, 8, D) for _ in range(LAYERS)]
+        states.append(RequestDraftState.build(compressor, layer_reader(pool, torch.arange(n)), n,
+                                              queries, LAYERS))  # fmt: skip
+        states[-1].append(reader(pool), torch.arange(120, 123), [None] * LAYERS)  # a window
+    states.append(None)  # rides along
+    before = [[v[0].clone() for v in s.views()] for s in states[:2]]
+    plan = DraftPlan([T + 3, T // 2 + 3, 5], states, drafts=3)
+    q = torch.randn(3, H_Q, D)
+    for n_chain in (1, 2, 3):  # the chain grows by one per draft forward
+        chains = [torch.arange(150 + 10 * i, 150 + 10 * i + n_chain) for i in range(3)]
+        for layer in range(LAYERS):
+            got = plan.attend(q, layer, pool[layer][0], pool[layer][1], chains, 0.25)
+            for i, state in enumerate(states):
+                want = _reference_draft_attention(q[i], state, pool, layer, chains[i])
+                torch.testing.assert_close(got[i], want, rtol=1e-5, atol=1e-5)
+    for state, keys in zip(states[:2], before):
+        state.check_integrity()
+        assert all(torch.equal(k, v[0]) for k, v in zip(keys, state.views()))
+    quantized = spec.startswith("kivi")
+    assert (plan.transient_bytes > 0) == quantized
+    assert plan.view_tokens[2] == 0 and plan.view_tokens[0] == states[0].view_tokens
 
 
 def test_torch_row_assignment_matches_the_kernel_contract() -> None:

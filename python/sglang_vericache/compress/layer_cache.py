@@ -11,11 +11,15 @@ depend on how the appends were chunked, so long generations stay within budget d
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch import Tensor
 
 from sglang_vericache.compress.attend import attend
 from sglang_vericache.compress.base import CompressedKV, Compressor, Observation
+
+GROW_MIN = 16  # columns of room added beyond the need whenever a view buffer is (re)allocated
 
 
 class CompressedLayerCache:
@@ -25,6 +29,17 @@ class CompressedLayerCache:
     ``version`` increases whenever the view changes other than by appending at its end (a fold);
     while it is unchanged, ``view()`` only ever grows at the end, so a caller may mirror it
     incrementally (the benchmark's batched draft buffers do).
+
+    View storage: unless the body is quantized, body and window live in one contiguous buffer
+    per K and V, so a draft attends over the view in place, without a copy::
+
+        _buf_k [H_kv, capacity, D]  | body (kept tokens) | window |  room  |
+                                    0                n_body   view_len  capacity
+
+    The body's tensors and the window are views into it; ``draft_buffer(n)`` guarantees ``n``
+    free columns after the view, where a draft step writes its chain's KV (scratch, never part
+    of the view). A fold re-packs the buffer. A quantized body is dequantized on read
+    (``view_parts``) and its window is a tensor of its own.
     """
 
     def __init__(self, compressor: Compressor, layer_id: int, compressed: CompressedKV, *,
@@ -50,6 +65,9 @@ class CompressedLayerCache:
         self._positions = torch.empty(0, dtype=torch.int64, device=dev)  # [w]
         self._queries: Tensor | None = None  # last obs_window committed queries [H_q, <=W, D]
         self._query_positions: Tensor | None = None
+        self._buf_k: Tensor | None = None  # [H_kv, capacity, D] body + window + room
+        self._buf_v: Tensor | None = None
+        self._pack(0)
 
     @property
     def compressed(self) -> CompressedKV:
@@ -67,8 +85,47 @@ class CompressedLayerCache:
 
     @property
     def nbytes(self) -> int:
-        """Bytes stored: the body's exact bytes + the full-precision window (not the observation)."""
-        return self._compressed.nbytes + 2 * self._keys.numel() * self._keys.element_size()
+        """Bytes stored: the body's exact bytes + the full-precision window + the view buffer's
+        free room (not the observation)."""
+        window = 2 * self._keys.numel() * self._keys.element_size()
+        if self._buf_k is None:
+            return self._compressed.nbytes + window
+        room = self._buf_k.shape[1] - self.view_len
+        return self._compressed.nbytes + window + 2 * room * self._buf_k[:, 0].numel() * (
+            self._buf_k.element_size())  # fmt: skip
+
+    def _pack(self, room: int) -> None:
+        """(Re)allocate the view buffer with ``room`` free columns (plus ``GROW_MIN`` and an
+        eighth of the view) and point body and window into it; no-op for a quantized body."""
+        c = self._compressed
+        if c.block is not None:  # quantized (perhaps since this fold): the window stands alone
+            if self._buf_k is not None:
+                self._keys, self._values = self._keys.clone(), self._values.clone()
+            self._buf_k = self._buf_v = None
+            return
+        n_body, used = c.residual_keys.shape[1], self.view_len
+        capacity = used + room + GROW_MIN + used // 8
+        h, d = c.num_heads, c.head_dim
+        bufs = []
+        for body, window in ((c.residual_keys, self._keys), (c.residual_values, self._values)):
+            buf = torch.empty(h, capacity, d, dtype=body.dtype, device=body.device)
+            buf[:, :n_body] = body
+            buf[:, n_body:used] = window
+            bufs.append(buf)
+        self._buf_k, self._buf_v = bufs
+        self._compressed = replace(c, residual_keys=self._buf_k[:, :n_body],
+                                   residual_values=self._buf_v[:, :n_body])  # fmt: skip
+        self._keys, self._values = self._buf_k[:, n_body:used], self._buf_v[:, n_body:used]
+
+    def draft_buffer(self, room: int) -> tuple[Tensor, Tensor] | None:
+        """(keys, values) [H_kv, capacity, D] whose first ``view_len`` columns are the view and
+        whose next ``room`` columns are free for a draft chain (re-packed if short); None when
+        the body is quantized (then read ``view_parts``)."""
+        if self._buf_k is None:
+            return None
+        if self._buf_k.shape[1] < self.view_len + room:
+            self._pack(room)
+        return self._buf_k, self._buf_v
 
     def observation(self) -> Observation:
         return Observation(queries=self._queries, query_positions=self._query_positions,
@@ -107,8 +164,18 @@ class CompressedLayerCache:
             qs = queries if self._queries is None else torch.cat([self._queries, queries], dim=1)
             qp = positions if self._query_positions is None else torch.cat([self._query_positions, positions])
             self._queries, self._query_positions = qs[:, -self.obs_window :], qp[-self.obs_window :]
-        self._keys = torch.cat([self._keys, keys.to(self._keys.dtype)], dim=1)
-        self._values = torch.cat([self._values, values.to(self._values.dtype)], dim=1)
+        if self._buf_k is None:
+            self._keys = torch.cat([self._keys, keys.to(self._keys.dtype)], dim=1)
+            self._values = torch.cat([self._values, values.to(self._values.dtype)], dim=1)
+        else:
+            n = keys.shape[1]
+            if self._buf_k.shape[1] < self.view_len + n:
+                self._pack(n)
+            n_body, end = self._compressed.residual_keys.shape[1], self.view_len
+            self._buf_k[:, end : end + n] = keys
+            self._buf_v[:, end : end + n] = values
+            self._keys = self._buf_k[:, n_body : end + n]
+            self._values = self._buf_v[:, n_body : end + n]
         self._positions = torch.cat([self._positions, positions])
 
     def _fold(self) -> None:
@@ -119,14 +186,26 @@ class CompressedLayerCache:
         )
         self._keys, self._values = self._keys[:, f:], self._values[:, f:]
         self._positions = self._positions[f:]
+        self._pack(0)  # the new body and the rest of the window, contiguous again
         self.version += 1
+
+    @property
+    def view_len(self) -> int:
+        """T_view: tokens a query attends over in ``view()`` (kept body + pending window)."""
+        return self._compressed.num_kept + self._positions.numel()
+
+    def view_parts(self) -> tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor]]:
+        """((body keys, body values), (window keys, window values)), each [H_kv, n, D] in the
+        KV dtype: ``view()`` without the concatenation, for a caller that copies the parts into
+        its own buffer (a dropper's body is its stored tensors, not a copy)."""
+        return self._compressed.dequantize(), (self._keys, self._values)
 
     def view(self) -> tuple[Tensor, Tensor, Tensor]:
         """(keys, values [H_kv, T_view, D] in the KV dtype, positions [H_kv, T_view] int64)."""
-        ck, cv = self._compressed.dequantize()
+        (ck, cv), (wk, wv) = self.view_parts()
         h = ck.shape[0]
         pos = torch.cat([self._compressed.positions, self._positions.expand(h, -1)], dim=1)
-        return torch.cat([ck, self._keys], dim=1), torch.cat([cv, self._values], dim=1), pos
+        return torch.cat([ck, wk], dim=1), torch.cat([cv, wv], dim=1), pos
 
     def attend(self, q: Tensor, q_positions: Tensor, scale: float) -> Tensor:
         """Reference attention of q [H_q, n, D] (positions [n]) over the view; [H_q, n, D]."""
@@ -153,5 +232,15 @@ class CompressedLayerCache:
         if c.kept_positions is not None:
             stored += c.kept_positions.numel() * c.kept_positions.element_size()
         assert stored == c.nbytes, "nbytes does not match the stored tensors"
+        if self._buf_k is not None:
+            n_body = c.residual_keys.shape[1]
+            assert c.block is None, "a quantized body has no view buffer"
+            assert self._buf_k.shape[1] >= self.view_len, "view buffer shorter than the view"
+            for body, window, buf in ((c.residual_keys, self._keys, self._buf_k),
+                                      (c.residual_values, self._values, self._buf_v)):
+                # (an empty slice's data pointer is unspecified: only compare non-empty ones)
+                assert not body.numel() or body.data_ptr() == buf.data_ptr(), "body not at head"
+                assert not window.numel() or window.data_ptr() == buf[:, n_body:].data_ptr(), (
+                    "window not after body")  # fmt: skip
         if self._queries is not None:
             assert self._queries.shape[1] == self._query_positions.numel() <= max(self.obs_window, 0)

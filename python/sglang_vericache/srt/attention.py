@@ -6,8 +6,9 @@ Three forward kinds reach it (``AttentionBackend.forward`` dispatches DECODE to
 - EXTEND (prefill): the stock torch_native path, so prompt KV is bit-identical to plain SGLang's.
   While the worker holds a ``QueryCapture``, the last W queries of each request are recorded for
   the compressors that score by attention (SnapKV, H2O).
-- DECODE while the worker holds ``DraftViews`` (drafting): each request attends over its
-  compressed view of the committed context plus the full-precision KV of its own draft chain::
+- DECODE while the worker holds a ``DraftPlan`` (drafting): each request attends over its
+  compressed view of the committed context plus the full-precision KV of its own draft chain,
+  in place in the view's buffer (``srt/draft_attention.py``)::
 
       positions   0 ............. base-1 | base ... seq_len-1
       keys        compressed view (kept / | pool slots written by this
@@ -31,31 +32,13 @@ from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBack
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 from torch.nn.functional import scaled_dot_product_attention
 
-from sglang_vericache.srt.offload import ledger_for, read_pool_kv
+from sglang_vericache.srt.draft_attention import DraftPlan
+from sglang_vericache.srt.offload import ledger_for
+from sglang_vericache.verify.step_profile import StepClock
 
 if TYPE_CHECKING:
     from sglang.srt.layers.radix_attention import RadixAttention
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch
-
-@dataclass(slots=True)
-class DraftViews:
-    """Per batch row: the committed KV length and the compressed view of each layer.
-
-    base_lens[i]: committed KV positions of row i at the start of this step (int, host).
-    views[i]: None (row decodes over the full pool) or, per layer, (keys, values) each
-        [H_kv, T_view, D] in the KV dtype (T_view may be 0: ``empty_view``).
-    """
-
-    base_lens: list[int]
-    views: list[list[tuple[torch.Tensor, torch.Tensor]] | None]
-
-
-def empty_view(pool, num_layers: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """A compressed view with no tokens, per layer ([H_kv, 0, D] keys and values): a row that
-    rides along in a draft forward without drafting attends over its own draft chain only."""
-    none = torch.empty(0, dtype=torch.int64, device=pool.get_key_buffer(0).device)
-    return [read_pool_kv(pool, 0, none)] * num_layers
-
 
 @dataclass(slots=True)
 class QueryCapture:
@@ -84,14 +67,15 @@ class QueryCapture:
 class VeriCacheAttnBackend(TorchNativeAttnBackend):
     """torch_native with compressed-view drafting and an O(D*L) verify (see module doc).
 
-    The worker sets ``draft`` / ``capture`` around its forwards and clears them after; with both
-    None the backend behaves exactly like torch_native (plus the fast verify).
+    The worker sets ``draft`` / ``capture`` / ``clock`` around its forwards and clears them
+    after; with all None the backend behaves exactly like torch_native (plus the fast verify).
     """
 
     def __init__(self, model_runner) -> None:
         super().__init__(model_runner)
-        self.draft: DraftViews | None = None
+        self.draft: DraftPlan | None = None
         self.capture: QueryCapture | None = None
+        self.clock: StepClock | None = None  # the worker's profile of the current decode step
         self.ledger = ledger_for(self.req_to_token_pool)
 
     def _write_kv(self, layer, fb, k, v, save_kv_cache: bool) -> None:
@@ -99,11 +83,6 @@ class VeriCacheAttnBackend(TorchNativeAttnBackend):
             self.token_to_kv_pool.set_kv_buffer(
                 layer, KVWriteLoc(fb.out_cache_loc, self.swa_out_cache_loc), k, v
             )
-
-    def _row_kv(self, layer_id: int, row: int, start: int, end: int):
-        """Pool K/V of positions [start, end) of a req_to_token row, each [H_kv, n, D]."""
-        slots = self.req_to_token_pool.req_to_token[row, start:end]
-        return read_pool_kv(self.token_to_kv_pool, layer_id, slots)
 
     def _full_kv(self, layer_id: int, row: int, end: int):
         """Exact K/V of positions [0, end) of a row (host-offloaded ranges included)."""
@@ -130,6 +109,8 @@ class VeriCacheAttnBackend(TorchNativeAttnBackend):
         for i, base in enumerate(fb.seq_lens_cpu.tolist()):
             row = int(fb.req_pool_indices[i])
             keys, values = self._full_kv(layer.layer_id, row, base + n_tok)
+            if self.clock is not None and _copied(keys):  # gathered, not read in place
+                self.clock.note_transient(2 * keys.numel() * keys.element_size())
             qi = q3[i * n_tok : (i + 1) * n_tok].transpose(0, 1)  # [H_q, D_tok, D]
             q_pos = torch.arange(base, base + n_tok, device=q.device)[:, None]
             mask = torch.arange(base + n_tok, device=q.device)[None, :] <= q_pos
@@ -146,17 +127,13 @@ class VeriCacheAttnBackend(TorchNativeAttnBackend):
             return super().forward_decode(q, k, v, layer, fb, save_kv_cache)
         self._write_kv(layer, fb, k, v, save_kv_cache)
         q3 = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
+        if self.draft is not None:
+            out = self._draft_attend(q3, layer, rows, fb.seq_lens_cpu.tolist())
+            return out.reshape(-1, layer.tp_q_head_num * layer.v_head_dim)
         out = q.new_empty((q3.shape[0], layer.tp_q_head_num, layer.v_head_dim))
         gqa = layer.tp_q_head_num != layer.tp_k_head_num
-        for i, seq_len in enumerate(fb.seq_lens_cpu.tolist()):
-            row = rows[i]
-            view = None if self.draft is None else self.draft.views[i]
-            if view is None:  # full-KV decode of this row
-                keys, values = self._full_kv(layer.layer_id, row, seq_len)
-            else:
-                keys, values = self._row_kv(layer.layer_id, row, self.draft.base_lens[i], seq_len)
-                vk, vv = view[layer.layer_id]
-                keys, values = torch.cat([vk, keys], dim=1), torch.cat([vv, values], dim=1)
+        for i, seq_len in enumerate(fb.seq_lens_cpu.tolist()):  # full-KV decode, row by row
+            keys, values = self._full_kv(layer.layer_id, rows[i], seq_len)
             qi = q3[i : i + 1].transpose(0, 1)  # [H_q, 1, D]
             o = scaled_dot_product_attention(
                 qi.unsqueeze(0), keys.unsqueeze(0).to(qi.dtype), values.unsqueeze(0).to(qi.dtype),
@@ -164,3 +141,20 @@ class VeriCacheAttnBackend(TorchNativeAttnBackend):
             )  # fmt: skip
             out[i] = o.squeeze(0).transpose(0, 1)[0]
         return out.view(-1, layer.tp_q_head_num * layer.v_head_dim)
+
+    def _draft_attend(self, q3, layer: RadixAttention, rows: list[int], seq_lens: list[int]):
+        """One draft forward's attention at ``layer`` (``srt/draft_attention.py``)."""
+        table = self.req_to_token_pool.req_to_token
+        chains = [table[row, base:end].to(torch.int64)
+                  for row, base, end in zip(rows, self.draft.base_lens, seq_lens)]  # fmt: skip
+        lid = layer.layer_id
+        return self.draft.attend(
+            q3, lid, self.token_to_kv_pool.get_key_buffer(lid),
+            self.token_to_kv_pool.get_value_buffer(lid), chains, layer.scaling,
+        )  # fmt: skip
+
+
+def _copied(t: torch.Tensor) -> bool:
+    """A tensor that owns its storage (a gather or concatenation), not a view into the pool or
+    a host buffer (those storages hold more than the tensor: other slots, the values too)."""
+    return t.untyped_storage().nbytes() == t.numel() * t.element_size()

@@ -42,7 +42,6 @@ class RequestDraftState:
     layers: list[CompressedLayerCache]
     covered: int
     stats: VeriCacheStats = field(default_factory=VeriCacheStats)
-    _views: list[tuple[Tensor, Tensor]] | None = None
 
     @classmethod
     def build(
@@ -113,10 +112,10 @@ class RequestDraftState:
         return self
 
     def views(self) -> list[tuple[Tensor, Tensor]]:
-        """Per layer (keys, values) [H_kv, T_view, D] to draft from; cached until ``append``."""
-        if self._views is None:
-            self._views = [cache.view()[:2] for cache in self.layers]
-        return self._views
+        """Per layer (keys, values) [H_kv, T_view, D], built on each call (the drafter that runs
+        while a prefix is fetched prefills over them; decode steps read ``view_parts`` of one
+        layer at a time instead: ``srt/draft_attention.py``)."""
+        return [cache.view()[:2] for cache in self.layers]
 
     def append(self, read: PoolReader, slots: Tensor, queries: Sequence[Tensor | None]) -> None:
         """Add newly committed tokens (KV at ``slots`` [n], positions covered..covered+n-1).
@@ -131,14 +130,12 @@ class RequestDraftState:
             keys, values = read(layer, slots)
             cache.append(keys, values, positions, queries[layer])
         self.covered += n
-        self._views = None
 
     @property
     def view_tokens(self) -> int:
         """Tokens a draft query attends over in the first layer's view (what a draft step's
         attention costs; layers of a pyramid compressor differ, the first is representative)."""
-        first = self.layers[0]
-        return first.compressed.num_kept + first.num_pending
+        return self.layers[0].view_len
 
     @property
     def nbytes(self) -> int:

@@ -88,13 +88,15 @@ class StepRows:
 
     drafted: GREEDY and SAMPLED rows (drafted, verified); sampled: the SAMPLED ones among them;
     grammar: the drafted ones with a grammar (masked along the chain); plain: every other row
-    (one token from SGLang's sampler in the same step).
+    (one token from SGLang's sampler in the same step); demoted: the plain rows whose compressed
+    KV was dropped (``without``): their committed token follows their KV to the host.
     """
 
     drafted: list[int]
     sampled: list[int]
     plain: list[int]
     grammar: list[int] = field(default_factory=list)
+    demoted: list[int] = field(default_factory=list)
 
     @classmethod
     def of(cls, reqs: list[Any], *, drafting: bool = True) -> StepRows:
@@ -117,4 +119,5 @@ class StepRows:
             return self
         keep = lambda xs: [i for i in xs if i not in rows]  # noqa: E731
         return StepRows(keep(self.drafted), keep(self.sampled),
-                        sorted({*self.plain, *(set(self.drafted) & rows)}), keep(self.grammar))
+                        sorted({*self.plain, *(set(self.drafted) & rows)}), keep(self.grammar),
+                        sorted(rows))  # fmt: skip

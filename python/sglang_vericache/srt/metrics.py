@@ -16,6 +16,7 @@ from sglang_vericache.verify.stats import (
     VeriCacheStats,
     VerifyRecord,
 )
+from sglang_vericache.verify.step_profile import StepProfile
 
 
 def request_meta_info(stats: VeriCacheStats | None, state: Any, span: Any,
@@ -86,7 +87,34 @@ class VeriCacheExporter:
             "Requests whose VeriCache state the worker holds (0 when idle: nothing leaked).",
             labelnames=names, multiprocess_mode="mostrecent",
         )  # fmt: skip
+        self._phase_s = counter("step_phase_seconds", "Decode-step seconds by phase (prepare, "
+                                "draft, verify, plain, commit, offload, other).", ("phase",))
+        self._phase_steps = counter("step_phase_steps", "Decode steps in which each phase ran.",
+                                    ("phase",))  # fmt: skip
+        self._profiled = counter("profiled_steps", "Decode steps profiled (step_phase_seconds).")
+        self._draft_fwd = counter("draft_forwards", "Draft forwards over the compressed views.")
+        self._transient = Gauge(
+            "vericache:step_transient_bytes_peak",
+            "Largest tensor set a decode step built outside the KV pool (the draft workspace, "
+            "a row's verify KV), peak since start.",
+            labelnames=names, multiprocess_mode="max",
+        )  # fmt: skip
+        self._transient_peak = 0
         self._labels = labels
+
+    def observe_profile(self, profile: StepProfile) -> None:
+        """One decode step's profile (``verify/step_profile.py``)."""
+        lb = self._labels
+        for phase, seconds in profile.seconds.items():
+            self._phase_s.labels(phase=phase.value, **lb).inc(seconds)
+            self._phase_steps.labels(phase=phase.value, **lb).inc()
+        self._phase_s.labels(phase="other", **lb).inc(profile.other)
+        self._profiled.labels(**lb).inc()
+        if profile.draft_forwards:
+            self._draft_fwd.labels(**lb).inc(profile.draft_forwards)
+        if profile.transient_bytes > self._transient_peak:
+            self._transient_peak = profile.transient_bytes
+            self._transient.labels(**lb).set(self._transient_peak)
 
     def observe_verify(self, rec: VerifyRecord, mode: DecodeMode) -> None:
         """One verification of a drafted (greedy or sampled) request."""

@@ -30,6 +30,10 @@ from torch import Tensor
 # Committed tokens collected in the pool before they move to the host (amortises the copy).
 TAIL_CHUNK = 32
 
+# Free columns a host buffer keeps after its tokens when it grows: room for the pool's tail
+# (< TAIL_CHUNK) and a verify's drafts, so attention reads the whole row in place.
+HOST_ROOM = 64
+
 # Row entries of offloaded positions point here. SGLang never hands out slot 0 (it takes the
 # padding writes), and attention never reads these entries: the ledger serves the range.
 PLACEHOLDER_SLOT = 0
@@ -59,7 +63,8 @@ class HostKV:
         """kv: [L, 2, H_kv, n, D] in the pool dtype (any device), appended after ``length``."""
         n = kv.shape[3]
         if self.length + n > self._buf.shape[3]:
-            grown = self._alloc(max(2 * self._buf.shape[3], self.length + n))
+            cap = self._buf.shape[3]
+            grown = self._alloc(max(cap + cap // 4, self.length + n) + HOST_ROOM)
             grown[..., : self.length, :] = self._buf[..., : self.length, :]
             self._buf = grown
         self._buf[..., self.length : self.length + n, :].copy_(kv)
@@ -68,6 +73,20 @@ class HostKV:
     def layer(self, layer: int, start: int, end: int) -> tuple[Tensor, Tensor]:
         """Host K and V of buffered tokens [start, end) of one layer: each [H_kv, n, D]."""
         return self._buf[layer, 0, :, start:end], self._buf[layer, 1, :, start:end]
+
+    def layer_with_tail(self, layer: int, tail_k: Tensor, tail_v: Tensor
+                        ) -> tuple[Tensor, Tensor] | None:  # fmt: skip
+        """K and V of every buffered token of ``layer`` followed by ``tail_k``/``tail_v``
+        ([H_kv, n, D], on this buffer's device), each [H_kv, length + n, D], without copying the
+        buffered tokens: the tail is written into the free capacity after them (scratch, not
+        buffered: ``length`` stays). None when the capacity is short or the devices differ."""
+        n = tail_k.shape[1]
+        if self.length + n > self._buf.shape[3] or tail_k.device != self._buf.device:
+            return None
+        end = self.length + n
+        self._buf[layer, 0, :, self.length : end] = tail_k
+        self._buf[layer, 1, :, self.length : end] = tail_v
+        return self._buf[layer, 0, :, :end], self._buf[layer, 1, :, :end]
 
     def restore(self) -> Tensor:
         """All buffered tokens: [L, 2, H_kv, length, D] (a view)."""
@@ -142,13 +161,21 @@ class OffloadLedger:
              ) -> tuple[Tensor, Tensor]:  # fmt: skip
         """Full K and V of positions [0, end) of ``row``, each [H_kv, end, D] on the pool device.
 
-        pool: SGLang token-to-KV pool; table: req_to_token [rows, max_len] int32.
+        pool: SGLang token-to-KV pool; table: req_to_token [rows, max_len] int32. Where the row's
+        whole prefix is in one host buffer on the pool's device (CPU) with room for the tail, or
+        all of it in one run of pool slots, the result is a view of that buffer or of the pool
+        (no copy): use it before the pool or the ledger changes (one forward), or copy it.
         """
         entry = self.rows.get(row)
         if entry is None or entry.lo >= end:
-            return read_pool_kv(pool, layer, table[row, :end])
+            return read_pool_kv(pool, layer, table[row, :end], view_ok=True)
         hi = min(entry.hi, end)
         device = table.device
+        if entry.lo == 0 and hi == entry.hi:  # all of the host buffer, then the pool's tail:
+            tk, tv = read_pool_kv(pool, layer, table[row, hi:end])  # in place where it fits
+            whole = entry.host.layer_with_tail(layer, tk, tv)
+            if whole is not None:
+                return whole
         pk, pv = read_pool_kv(pool, layer, table[row, : entry.lo])
         hk, hv = entry.host.layer(layer, 0, hi - entry.lo)
         tk, tv = read_pool_kv(pool, layer, table[row, hi:end])
@@ -165,11 +192,22 @@ class OffloadLedger:
                 assert bool((slots == PLACEHOLDER_SLOT).all()), f"row {row}: live slot offloaded"
 
 
-def read_pool_kv(pool: Any, layer_id: int, slots: Tensor) -> tuple[Tensor, Tensor]:
-    """K and V of ``slots`` ([n] integer) from an SGLang token-to-KV pool: each [H_kv, n, D]."""
-    keys = pool.get_key_buffer(layer_id)[slots]
-    values = pool.get_value_buffer(layer_id)[slots]
-    return keys.transpose(0, 1), values.transpose(0, 1)
+def read_pool_kv(pool: Any, layer_id: int, slots: Tensor, *, view_ok: bool = False
+                 ) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """K and V of ``slots`` ([n] integer) from an SGLang token-to-KV pool: each [H_kv, n, D].
+
+    view_ok: where ``slots`` are one ascending run (a prompt allocated at once usually is),
+    return views of the pool instead of gathered copies; only for a reader that is done with
+    them before the pool changes (attention within one forward).
+    """
+    k_buf, v_buf = pool.get_key_buffer(layer_id), pool.get_value_buffer(layer_id)
+    n = slots.numel()
+    if view_ok and n > 1:
+        first = int(slots[0])
+        if int(slots[-1]) - first == n - 1 and bool((slots.diff() == 1).all()):
+            run = slice(first, first + n)
+            return k_buf[run].transpose(0, 1), v_buf[run].transpose(0, 1)
+    return k_buf[slots].transpose(0, 1), v_buf[slots].transpose(0, 1)
 
 
 def read_pool_all_layers(pool: Any, slots: Tensor, num_layers: int) -> Tensor:

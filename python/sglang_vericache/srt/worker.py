@@ -20,6 +20,10 @@ Whether a step drafts at all, and how far, is decided per step from measured for
 (``srt/draft_length.py``): where drafting would commit fewer tokens per second than plain
 decoding, the step is a plain one.
 
+The decode step itself (prepare, draft, verify, commit, each timed into the step profile of
+``verify/step_profile.py``) is ``srt/decode_steps.py``; this class holds the request records,
+the scheduler's entry point, prefill and the result SGLang reads.
+
 Only tokens the full-KV verify decided are ever committed, so greedy output equals plain
 decoding and sampled output is distributed as plain sampling; grammar rows are masked along the
 chain (``verify/grammar_chain.py``). Rows not drafted (penalties, ...: ``srt/eligibility.py``)
@@ -38,24 +42,15 @@ from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
 
 from sglang_vericache.compress import build_compressor
 from sglang_vericache.config import TierKind
-from sglang_vericache.srt.attention import (
-    DraftViews,
-    QueryCapture,
-    VeriCacheAttnBackend,
-    empty_view,
-)
+from sglang_vericache.srt.attention import QueryCapture, VeriCacheAttnBackend
 from sglang_vericache.srt.batch_inputs import (
-    last_tokens,
-    one_token_rows,
-    set_decode_inputs,
-    set_verify_inputs,
     spec_result,
 )
-from sglang_vericache.srt.draft_ahead import DraftAhead, batch_proposals, draft_ahead_for
+from sglang_vericache.srt.decode_steps import DecodeSteps
+from sglang_vericache.srt.draft_ahead import DraftAhead, draft_ahead_for
 from sglang_vericache.srt.draft_length import DraftLengthController
 from sglang_vericache.srt.draft_state import RequestDraftState
 from sglang_vericache.srt.eligibility import (
-    StepRows,
     decode_mode,
     plain_reason,
     prefill_only,
@@ -66,28 +61,15 @@ from sglang_vericache.srt.patches import publish_meta_info
 from sglang_vericache.srt.plugin import vericache_config
 from sglang_vericache.srt.remote_prefix import link_for
 from sglang_vericache.srt.request_book import RequestBook
-from sglang_vericache.srt.row_acceptance import SampledDrafts, draft_column
-from sglang_vericache.srt.row_sampling import commit_verify
-from sglang_vericache.srt.step_costs import (
-    draft_shape,
-    plain_shape,
-    release_for_admission,
-    relieve_pressure,
-    step_rows,
-    verify_shape,
-)
-from sglang_vericache.verify import VerifyRecord
-from sglang_vericache.verify.grammar_chain import GrammarChain
 from sglang_vericache.verify.stats import DecodeMode
-from sglang_vericache.verify.step_cost import ForwardKind
-from sglang_vericache.verify.step_plan import PLAIN_FASTER
+from sglang_vericache.verify.step_profile import StepClock
 
 logger = logging.getLogger(__name__)
 
 OBS_WINDOW = 32  # prompt queries kept for attention-scored compressors (SnapKV, H2O)
 
 
-class VeriCacheWorker(BaseSpecWorker):
+class VeriCacheWorker(DecodeSteps, BaseSpecWorker):
     """Same-model drafting on compressed KV, verification on full KV (see module doc)."""
 
     def __init__(self, server_args, gpu_id, nccl_port, target_worker, **_: Any) -> None:
@@ -102,7 +84,7 @@ class VeriCacheWorker(BaseSpecWorker):
         self.num_layers = self.model_runner.model_config.num_hidden_layers
         self._offloader: PoolOffloader | None = None
         self._ahead: DraftAhead | None = None
-        self._empty_view: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self.clock = StepClock()  # where each decode step's time goes (metrics, step profile)
         # --vericache-draft-len 0: the offload-only baseline (full KV off the device, no drafts)
         self.offload_only = self.config.draft_len == 0
         self.draft_length = DraftLengthController(
@@ -172,49 +154,23 @@ class VeriCacheWorker(BaseSpecWorker):
         if batch.forward_mode.is_extend():
             result = self._prefill(batch, pp_proxy_tensors)
         else:
-            # The rows this step drafts; the others take one exact token (srt/row_sampling.py).
-            step = StepRows.of(batch.reqs, drafting=not self.offload_only).without(
-                self.book.demoted_rows(batch.reqs))  # fmt: skip
-            self._sync_states(batch, step.drafted)
-            moved = relieve_pressure(batch, self.states, self.offloader,
-                                     self.speculative_num_draft_tokens)  # fmt: skip
-            plan = self.draft_length.plan(step_rows(batch, self.states, step.drafted))
-            if plan.reason == PLAIN_FASTER:
-                self._demote_for_room(batch, step.drafted)
+            self.clock.start(time.perf_counter())
+            self.attn.clock = self.clock
+            try:
+                result = self._decode_step(batch)
+            finally:
+                self.attn.clock = None
+                profile = self.clock.finish(time.perf_counter())
             if self.metrics is not None:
-                self.metrics.observe_step(plan.reason)
-                self.metrics.observe_pressure_offload(moved)
-            if plan.drafts:
-                result = self._verify_step(batch, step, plan.drafts)
-            else:
-                result = self._plain_step(batch)
+                self.metrics.observe_profile(profile)
         if on_publish is not None:
             on_publish(result.new_seq_lens)
         self._publish_placement()
         return result
 
-    def _demote_for_room(self, batch, drafted: list[int]) -> None:
-        """Drafting does not pay and admission is short: rows whose compressed KV held pool
-        slots drop it and decode from their offloaded full KV from now on (offload-only)."""
-        for i in release_for_admission(batch, drafted, self.offloader):
-            self.book.demote(batch.reqs[i].rid)
-            logger.info("request %s: compressed KV dropped for admission (drafting does not "
-                        "pay); it decodes offload-only", batch.reqs[i].rid)  # fmt: skip
-
     def _publish_placement(self) -> None:
         if self.metrics is not None:
             self.metrics.set_placement(self.offloader.ledger, len(self.book))
-
-    def _sync_states(self, batch, drafted: list[int]) -> None:
-        """Every drafted row gets a compressed KV covering exactly its committed KV."""
-        bases = batch.seq_lens_cpu.tolist()
-        rows = batch.req_pool_indices.tolist()
-        for i in drafted:
-            req, base = batch.reqs[i], bases[i]
-            self.states[req.rid] = RequestDraftState.in_step(
-                self.states.get(req.rid), req, self.compressor,
-                self.offloader.layer_reader(rows[i], base), base, self.num_layers, decode_mode(req),
-            )  # fmt: skip
 
     def note_request_finished(self, *, rid: str, natural_stop: bool) -> None:
         state = self.states.pop(rid, None)
@@ -277,135 +233,6 @@ class VeriCacheWorker(BaseSpecWorker):
         ones = torch.ones(bs, dtype=torch.int32, device=self.device)
         return self._result(batch, out.next_token_ids, ones, batch.seq_lens.clone(),
                             out.logits_output)  # fmt: skip
-
-    # -- decode steps ------------------------------------------------------------------------
-
-    def _plain_step(self, batch):
-        """One token per request with SGLang's own decode forward and sampler (no drafting)."""
-        for req in batch.reqs:
-            self.book.note_plain(req)
-        base = batch.seq_lens_cpu.clone()
-        set_decode_inputs(batch, self.offloader.table, last_tokens(batch, self.device), base, 0)
-        rows = batch.req_pool_indices.tolist()
-        started = time.perf_counter()
-        out = self.target_worker.forward_batch_generation(batch)
-        self.draft_length.observe_forward(ForwardKind.PLAIN, plain_shape(batch),
-                                          time.perf_counter() - started)  # fmt: skip
-        for i, req in enumerate(batch.reqs):
-            state = self.states.get(req.rid)
-            if state is not None:
-                slots = self.offloader.row_slots(rows[i], int(base[i]), int(base[i]) + 1)
-                state.append(self.offloader.read_slots, slots, [None] * self.num_layers)
-            if state is not None or self.book.offloads_plainly(req.rid):
-                self._offload(req, rows[i], int(base[i]) + 1, 0 if state is None else state.nbytes)
-        tokens, ones = one_token_rows(out, self.speculative_num_draft_tokens)
-        return self._result(batch, tokens, ones, (base + 1).to(self.device), out.logits_output)
-
-    def _draft(self, batch, base: torch.Tensor, rows: torch.Tensor, drafted: list[int],
-               sampled: SampledDrafts | None, grammar: GrammarChain | None) -> None:  # fmt: skip
-        """Fill rows[:, 1:] from the compressed views (rows[:, 0] = last token): greedy rows take
-        the argmax, ``sampled``'s rows a sample of q (kept in ``sampled`` for the verify);
-        ``grammar``'s rows draw from masked logits and keep every column's mask for the verify.
-
-        Rows not in ``drafted`` ride along (one batch, one forward) attending over their own
-        draft chain only; their drafts are never verified. The logits are raw (``is_verify``
-        skips SGLang's sampler); ``srt/row_acceptance.py`` says why that is what drafted rows
-        sample from.
-        """
-        if self._empty_view is None:
-            self._empty_view = empty_view(self.model_runner.token_to_kv_pool, self.num_layers)
-        views, view_tokens = [self._empty_view] * len(batch.reqs), [0] * len(batch.reqs)
-        for i in drafted:
-            state = self.states[batch.reqs[i].rid]
-            views[i], view_tokens[i] = state.views(), state.view_tokens
-        self.attn.draft = DraftViews(base.tolist(), views)
-        try:
-            for j in range(rows.shape[1] - 1):
-                set_decode_inputs(batch, self.offloader.table, rows[:, j], base, j)
-                started = time.perf_counter()
-                out = self.target_worker.forward_batch_generation(batch, is_verify=True)
-                self.draft_length.observe_forward(ForwardKind.DRAFT, draft_shape(view_tokens, j),
-                                                  time.perf_counter() - started)  # fmt: skip
-                rows[:, j + 1] = draft_column(j, out.logits_output.next_token_logits, sampled,
-                                              grammar)  # fmt: skip
-            if grammar is not None:
-                grammar.fill(rows.shape[1] - 1)
-        finally:
-            self.attn.draft = None
-            if grammar is not None:
-                grammar.rollback()  # the scheduler advances the matchers over what commits
-
-    def _verify_step(self, batch, step: StepRows, drafts: int):
-        """Draft ``drafts`` tokens for ``step.drafted``, verify every row, commit
-        (``srt/row_acceptance.py``)."""
-        bs, drafted, plain_rows = len(batch.reqs), step.drafted, step.plain
-        for i in plain_rows:
-            self.book.note_plain(batch.reqs[i])
-        width = 1 + drafts
-        base = batch.seq_lens_cpu.clone()
-        # Drafts made while fetching are greedy, unmasked and carry no q: all-greedy steps only.
-        ahead = None if plain_rows or step.sampled or step.grammar else batch_proposals(
-            self.ahead, batch.reqs, width - 1, self.book.ahead_used, self.device)
-        if ahead is not None:  # every request was drafted while its prefix was fetched
-            width = 1 + ahead.shape[1]
-        rows = torch.empty(bs, width, dtype=torch.int64, device=self.device)
-        rows[:, 0] = last_tokens(batch, self.device)
-        sampled = SampledDrafts.start(batch.sampling_info, batch.reqs, step.sampled, base, width,
-                                      self.generator, self.device)  # fmt: skip
-        grammar = GrammarChain.start([batch.reqs[i].grammar for i in step.grammar], step.grammar,
-                                     width, batch.sampling_info.vocab_size, self.device)  # fmt: skip
-        if ahead is not None:
-            rows[:, 1:] = ahead
-        else:
-            self._draft(batch, base, rows, drafted, sampled, grammar)
-
-        set_verify_inputs(batch, self.offloader.table, rows, base)
-        self.attn.capture = QueryCapture(width)
-        started = time.perf_counter()
-        try:
-            out = self.target_worker.forward_batch_generation(batch, is_verify=True)
-        finally:
-            capture, self.attn.capture = self.attn.capture, None
-        draft_lens = torch.zeros(bs, dtype=torch.int32, device=self.device)
-        draft_lens[drafted] = width - 1
-        if grammar is not None:
-            grammar.limit(draft_lens)
-            grammar.apply(out.logits_output.next_token_logits)  # logprobs are of masked logits
-        accepted = commit_verify(self.model_runner, batch, out.logits_output, rows, draft_lens,
-                                 sampled, plain_rows, base.to(self.device))  # fmt: skip
-        predict, accept_lens = accepted.committed, accepted.accept_lens
-        pool_rows = batch.req_pool_indices.tolist()
-        for i in drafted:
-            queries = [capture.queries[i][layer] for layer in range(self.num_layers)]
-            self._commit(batch.reqs[i], pool_rows[i], int(base[i]), int(accept_lens[i]),
-                         int(draft_lens[i]), queries)  # fmt: skip
-        for i in self.book.demoted_rows(batch.reqs):  # their token follows their KV to the host
-            self._offload(batch.reqs[i], pool_rows[i], int(base[i]) + 1, 0)
-        # the verify's cost includes its commit bookkeeping: what a drafted step adds per row
-        self.draft_length.observe_forward(ForwardKind.VERIFY, verify_shape(batch, width),
-                                          time.perf_counter() - started)  # fmt: skip
-        new_seq_lens = (base + accept_lens.cpu()).to(self.device)
-        tokens = torch.zeros(bs, self.speculative_num_draft_tokens, dtype=torch.int64,
-                             device=self.device)  # SGLang's rows are the allocated width
-        tokens[:, :width] = predict
-        return self._result(batch, tokens.flatten(), accept_lens, new_seq_lens,
-                            out.logits_output)  # fmt: skip
-
-    def _commit(self, req, row: int, base: int, n: int, drafts: int, queries) -> None:
-        """Book ``n`` committed tokens of a row verified over ``drafts`` drafts: compressed KV,
-        stats, placement."""
-        state = self.states[req.rid]
-        slots = self.offloader.row_slots(row, base, base + n)
-        state.append(self.offloader.read_slots, slots, [q[:, :n] for q in queries])
-        span = self.offloader.ledger.span(row)
-        fetched = 0 if span is None else span.host.nbytes  # host KV the verify read
-        record = VerifyRecord(drafted=drafts, committed=n, bytes_fetched=fetched,
-                              wait_full_s=0.0)  # fmt: skip
-        state.stats.record(record)
-        self.draft_length.observe(req.rid, drafts, n - 1)
-        if self.metrics is not None:
-            self.metrics.observe_verify(record, state.stats.mode)
-        self._offload(req, row, base + n, state.nbytes)
 
     def _meta_info(self, rid: str, row: int) -> dict[str, Any]:
         """``meta_info["vericache"]`` of one request (``srt/metrics.py``)."""

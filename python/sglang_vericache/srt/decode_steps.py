@@ -1,0 +1,232 @@
+"""The decode step of the VERICACHE worker: prepare, draft, verify, commit (a mixin).
+
+``VeriCacheWorker`` (``srt/worker.py``, whose module doc draws the step) inherits these
+methods, the way SGLang splits its scheduler into mixins; they read the worker's attributes:
+``book``/``states`` (per-request records), ``offloader``, ``attn``, ``target_worker``,
+``draft_length`` (planner and cost fit), ``clock`` (the step profile), ``metrics``, ``ahead``,
+``generator``, ``compressor``, ``num_layers``, ``offload_only``, ``device`` and
+``speculative_num_draft_tokens``. Everything runs on the scheduler thread.
+
+    _decode_step  prepare: compressed views in step, pressure offload, draft-or-plain plan
+    _plain_step   one token per row from SGLang's own decode forward and sampler
+    _verify_step  _draft (x forwards over the compressed views), one full-KV verify, accept
+    _commit       per drafted row: compressed KV append, stats, placement
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from sglang_vericache.srt.attention import QueryCapture
+from sglang_vericache.srt.batch_inputs import (
+    last_tokens,
+    one_token_rows,
+    set_decode_inputs,
+    set_verify_inputs,
+)
+from sglang_vericache.srt.draft_ahead import batch_proposals
+from sglang_vericache.srt.draft_attention import DraftPlan
+from sglang_vericache.srt.draft_state import RequestDraftState
+from sglang_vericache.srt.eligibility import StepRows, decode_mode
+from sglang_vericache.srt.row_acceptance import SampledDrafts, draft_column
+from sglang_vericache.srt.row_sampling import commit_verify
+from sglang_vericache.srt.step_costs import (
+    draft_shape,
+    plain_shape,
+    release_for_admission,
+    relieve_pressure,
+    step_rows,
+    verify_shape,
+)
+from sglang_vericache.verify import VerifyRecord
+from sglang_vericache.verify.grammar_chain import GrammarChain
+from sglang_vericache.verify.step_cost import ForwardKind
+from sglang_vericache.verify.step_plan import PLAIN_FASTER
+from sglang_vericache.verify.step_profile import Phase
+
+logger = logging.getLogger(__name__)
+
+
+class DecodeSteps:
+    """The decode half of ``VeriCacheWorker`` (see module doc)."""
+
+    def _decode_step(self, batch):
+        # The rows this step drafts; the others take one exact token (srt/row_sampling.py).
+        step = StepRows.of(batch.reqs, drafting=not self.offload_only).without(
+            self.book.demoted_rows(batch.reqs))  # fmt: skip
+        self._sync_states(batch, step.drafted)
+        moved = relieve_pressure(batch, self.states, self.offloader,
+                                 self.speculative_num_draft_tokens)  # fmt: skip
+        plan = self.draft_length.plan(step_rows(batch, self.states, step.drafted))
+        if plan.reason == PLAIN_FASTER:
+            self._demote_for_room(batch, step.drafted)
+        if self.metrics is not None:
+            self.metrics.observe_step(plan.reason)
+            self.metrics.observe_pressure_offload(moved)
+        self._lap(Phase.PREPARE)
+        if plan.drafts:
+            return self._verify_step(batch, step, plan.drafts)
+        return self._plain_step(batch)
+
+    def _lap(self, phase: Phase) -> None:
+        """Charge the time since the last lap to ``phase`` (a decode step's profile)."""
+        if self.clock.running:
+            self.clock.lap(phase, time.perf_counter())
+
+    def _demote_for_room(self, batch, drafted: list[int]) -> None:
+        """Drafting does not pay and admission is short: rows whose compressed KV held pool
+        slots drop it and decode from their offloaded full KV from now on (offload-only)."""
+        for i in release_for_admission(batch, drafted, self.offloader):
+            self.book.demote(batch.reqs[i].rid)
+            logger.info("request %s: compressed KV dropped for admission (drafting does not "
+                        "pay); it decodes offload-only", batch.reqs[i].rid)  # fmt: skip
+
+    def _sync_states(self, batch, drafted: list[int]) -> None:
+        """Every drafted row gets a compressed KV covering exactly its committed KV."""
+        bases = batch.seq_lens_cpu.tolist()
+        rows = batch.req_pool_indices.tolist()
+        for i in drafted:
+            req, base = batch.reqs[i], bases[i]
+            self.states[req.rid] = RequestDraftState.in_step(
+                self.states.get(req.rid), req, self.compressor,
+                self.offloader.layer_reader(rows[i], base), base, self.num_layers, decode_mode(req),
+            )  # fmt: skip
+
+    def _plain_step(self, batch):
+        """One token per request with SGLang's own decode forward and sampler (no drafting)."""
+        for req in batch.reqs:
+            self.book.note_plain(req)
+        base = batch.seq_lens_cpu.clone()
+        set_decode_inputs(batch, self.offloader.table, last_tokens(batch, self.device), base, 0)
+        rows = batch.req_pool_indices.tolist()
+        started = time.perf_counter()
+        out = self.target_worker.forward_batch_generation(batch)
+        self.draft_length.observe_forward(ForwardKind.PLAIN, plain_shape(batch),
+                                          time.perf_counter() - started)  # fmt: skip
+        self._lap(Phase.PLAIN)
+        for i, req in enumerate(batch.reqs):
+            state = self.states.get(req.rid)
+            if state is not None:
+                slots = self.offloader.row_slots(rows[i], int(base[i]), int(base[i]) + 1)
+                state.append(self.offloader.read_slots, slots, [None] * self.num_layers)
+                self._lap(Phase.COMMIT)
+            if state is not None or self.book.offloads_plainly(req.rid):
+                self._offload(req, rows[i], int(base[i]) + 1, 0 if state is None else state.nbytes)
+                self._lap(Phase.OFFLOAD)
+        tokens, ones = one_token_rows(out, self.speculative_num_draft_tokens)
+        return self._result(batch, tokens, ones, (base + 1).to(self.device), out.logits_output)
+
+    def _draft(self, batch, base: torch.Tensor, rows: torch.Tensor, drafted: list[int],
+               sampled: SampledDrafts | None, grammar: GrammarChain | None) -> None:  # fmt: skip
+        """Fill rows[:, 1:] from the compressed views (rows[:, 0] = last token): greedy rows take
+        the argmax, ``sampled``'s rows a sample of q (kept in ``sampled`` for the verify);
+        ``grammar``'s rows draw from masked logits and keep every column's mask for the verify.
+
+        Rows not in ``drafted`` ride along (one batch, one forward) attending over their own
+        draft chain only; their drafts are never verified. The logits are raw (``is_verify``
+        skips SGLang's sampler); ``srt/row_acceptance.py`` says why that is what drafted rows
+        sample from.
+        """
+        states = [None] * len(batch.reqs)
+        for i in drafted:
+            states[i] = self.states[batch.reqs[i].rid]
+        plan = self.attn.draft = DraftPlan(base.tolist(), states, rows.shape[1] - 1)
+        try:
+            for j in range(rows.shape[1] - 1):
+                set_decode_inputs(batch, self.offloader.table, rows[:, j], base, j)
+                started = time.perf_counter()
+                out = self.target_worker.forward_batch_generation(batch, is_verify=True)
+                self.draft_length.observe_forward(ForwardKind.DRAFT,
+                                                  draft_shape(plan.view_tokens, j),
+                                                  time.perf_counter() - started)  # fmt: skip
+                self.clock.count_draft_forward()
+                rows[:, j + 1] = draft_column(j, out.logits_output.next_token_logits, sampled,
+                                              grammar)  # fmt: skip
+            if grammar is not None:
+                grammar.fill(rows.shape[1] - 1)
+        finally:
+            self.attn.draft = None
+            self.clock.note_transient(plan.transient_bytes)
+            if grammar is not None:
+                grammar.rollback()  # the scheduler advances the matchers over what commits
+
+    def _verify_step(self, batch, step: StepRows, drafts: int):
+        """Draft ``drafts`` tokens for ``step.drafted``, verify every row, commit
+        (``srt/row_acceptance.py``)."""
+        bs, drafted, plain_rows = len(batch.reqs), step.drafted, step.plain
+        for i in plain_rows:
+            self.book.note_plain(batch.reqs[i])
+        width = 1 + drafts
+        base = batch.seq_lens_cpu.clone()
+        # Drafts made while fetching are greedy, unmasked and carry no q: all-greedy steps only.
+        ahead = None if plain_rows or step.sampled or step.grammar else batch_proposals(
+            self.ahead, batch.reqs, width - 1, self.book.ahead_used, self.device)
+        if ahead is not None:  # every request was drafted while its prefix was fetched
+            width = 1 + ahead.shape[1]
+        rows = torch.empty(bs, width, dtype=torch.int64, device=self.device)
+        rows[:, 0] = last_tokens(batch, self.device)
+        sampled = SampledDrafts.start(batch.sampling_info, batch.reqs, step.sampled, base, width,
+                                      self.generator, self.device)  # fmt: skip
+        grammar = GrammarChain.start([batch.reqs[i].grammar for i in step.grammar], step.grammar,
+                                     width, batch.sampling_info.vocab_size, self.device)  # fmt: skip
+        if ahead is not None:
+            rows[:, 1:] = ahead
+        else:
+            self._draft(batch, base, rows, drafted, sampled, grammar)
+        self._lap(Phase.DRAFT)
+
+        set_verify_inputs(batch, self.offloader.table, rows, base)
+        self.attn.capture = QueryCapture(width)
+        started = time.perf_counter()
+        try:
+            out = self.target_worker.forward_batch_generation(batch, is_verify=True)
+        finally:
+            capture, self.attn.capture = self.attn.capture, None
+        draft_lens = torch.zeros(bs, dtype=torch.int32, device=self.device)
+        draft_lens[drafted] = width - 1
+        if grammar is not None:
+            grammar.limit(draft_lens)
+            grammar.apply(out.logits_output.next_token_logits)  # logprobs are of masked logits
+        accepted = commit_verify(self.model_runner, batch, out.logits_output, rows, draft_lens,
+                                 sampled, plain_rows, base.to(self.device))  # fmt: skip
+        self._lap(Phase.VERIFY)
+        predict, accept_lens = accepted.committed, accepted.accept_lens
+        pool_rows = batch.req_pool_indices.tolist()
+        for i in drafted:
+            queries = [capture.queries[i][layer] for layer in range(self.num_layers)]
+            self._commit(batch.reqs[i], pool_rows[i], int(base[i]), int(accept_lens[i]),
+                         int(draft_lens[i]), queries)  # fmt: skip
+        for i in step.demoted:  # their token follows their KV to the host
+            self._offload(batch.reqs[i], pool_rows[i], int(base[i]) + 1, 0)
+        self._lap(Phase.OFFLOAD)
+        # the verify's cost includes its commit bookkeeping: what a drafted step adds per row
+        self.draft_length.observe_forward(ForwardKind.VERIFY, verify_shape(batch, width),
+                                          time.perf_counter() - started)  # fmt: skip
+        new_seq_lens = (base + accept_lens.cpu()).to(self.device)
+        tokens = torch.zeros(bs, self.speculative_num_draft_tokens, dtype=torch.int64,
+                             device=self.device)  # SGLang's rows are the allocated width
+        tokens[:, :width] = predict
+        return self._result(batch, tokens.flatten(), accept_lens, new_seq_lens,
+                            out.logits_output)  # fmt: skip
+
+    def _commit(self, req, row: int, base: int, n: int, drafts: int, queries) -> None:
+        """Book ``n`` committed tokens of a row verified over ``drafts`` drafts: compressed KV,
+        stats, placement."""
+        state = self.states[req.rid]
+        slots = self.offloader.row_slots(row, base, base + n)
+        state.append(self.offloader.read_slots, slots, [q[:, :n] for q in queries])
+        span = self.offloader.ledger.span(row)
+        fetched = 0 if span is None else span.host.nbytes  # host KV the verify read
+        record = VerifyRecord(drafted=drafts, committed=n, bytes_fetched=fetched,
+                              wait_full_s=0.0)  # fmt: skip
+        state.stats.record(record)
+        self.draft_length.observe(req.rid, drafts, n - 1)
+        if self.metrics is not None:
+            self.metrics.observe_verify(record, state.stats.mode)
+        self._lap(Phase.COMMIT)
+        self._offload(req, row, base + n, state.nbytes)
+        self._lap(Phase.OFFLOAD)
+

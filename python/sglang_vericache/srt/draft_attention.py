@@ -1,0 +1,101 @@
+"""Draft attention over compressed views, in place: planned once per step, run per layer.
+
+A dropper's compressed cache keeps its view (kept tokens, then the recent window) contiguous in
+a buffer with free room after it (``CompressedLayerCache.draft_buffer``). Each draft forward
+writes the row's chain KV (this step's drafts so far, read from their pool slots) into that
+room and attends over the buffer's head, so the view is never copied::
+
+    buffer of row i, layer l   | view (body | window)      | chain (scratch) | free |
+                               0              view_len[l][i]      + n_chain
+
+Queries sit at their true positions (keys are post-RoPE, so a view's gaps do not matter). A
+quantized body has no such buffer: its view is dequantized and concatenated with the chain for
+one row and one layer at a time, the only transient tensors drafting builds outside the pool
+(``transient_bytes``). A row without a compressed state rides along in the forward, attending
+over its own chain only; its drafts are never verified.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+from torch import Tensor
+from torch.nn.functional import scaled_dot_product_attention
+
+
+@dataclass(slots=True)
+class DraftPlan:
+    """One draft step of a batch.
+
+    base_lens[i]: committed KV positions of row i when the step starts.
+    states[i]: row i's ``RequestDraftState`` (its per-layer compressed caches), or None for a
+        row that rides along without drafting.
+    drafts: draft forwards the step runs (the chain grows to this many tokens).
+    view_lens[layer][i]: T_view of row i's cache of ``layer`` (0 for a row riding along).
+    transient_bytes: the largest view + chain a forward copied for one row and layer (0 when
+        every drafted row attends in place).
+    """
+
+    base_lens: list[int]
+    states: Sequence[Any | None]
+    drafts: int
+    view_lens: list[list[int]] = field(init=False)
+    transient_bytes: int = field(default=0, init=False)
+
+    def __post_init__(self) -> None:
+        if len(self.base_lens) != len(self.states):
+            raise ValueError("DraftPlan: one base length per state")
+        layers = next((len(s.layers) for s in self.states if s is not None), 0)
+        self.view_lens = [[0 if s is None else s.layers[layer].view_len for s in self.states]
+                          for layer in range(layers)]  # fmt: skip
+        for state in self.states:  # room for the chain after every view, made once per step
+            for cache in () if state is None else state.layers:
+                cache.draft_buffer(self.drafts)
+
+    @property
+    def view_tokens(self) -> list[int]:
+        """Per row, the first layer's T_view (what a draft forward's attention reads)."""
+        return self.view_lens[0] if self.view_lens else [0] * len(self.states)
+
+    def _row_kv(self, i: int, layer_id: int, chain_k: Tensor, chain_v: Tensor
+                ) -> tuple[Tensor, Tensor]:  # fmt: skip
+        """Row i's keys and values, view then chain, each [H_kv, view_len + n_chain, D]."""
+        state, n = self.states[i], chain_k.shape[1]
+        if state is None:
+            return chain_k, chain_v
+        cache = state.layers[layer_id]
+        at = self.view_lens[layer_id][i]
+        buffers = cache.draft_buffer(self.drafts)
+        if buffers is not None and buffers[0].shape[1] >= at + n:
+            keys, values = buffers
+            keys[:, at : at + n] = chain_k  # scratch after the view: not part of it
+            values[:, at : at + n] = chain_v
+            return keys[:, : at + n], values[:, : at + n]
+        (bk, bv), (wk, wv) = cache.view_parts()
+        keys, values = torch.cat([bk, wk, chain_k], dim=1), torch.cat([bv, wv, chain_v], dim=1)
+        self.transient_bytes = max(self.transient_bytes, 2 * keys.numel() * keys.element_size())
+        return keys, values
+
+    def attend(self, q: Tensor, layer_id: int, key_buffer: Tensor, value_buffer: Tensor,
+               chain_slots: Sequence[Tensor], scale: float) -> Tensor:  # fmt: skip
+        """Attention of one draft forward's queries at one layer.
+
+        q: [B, H_q, D] (one query per row). key_buffer / value_buffer: the pool's buffers of this
+        layer, [slots, H_kv, D]. chain_slots[i]: [n_i] int64 pool slots of row i's positions
+        base_i .. seq_len_i - 1 (this step's drafts so far, the current one included).
+        Returns [B, H_q, D_v].
+        """
+        out = q.new_empty((q.shape[0], q.shape[1], value_buffer.shape[-1]))
+        gqa = q.shape[1] != key_buffer.shape[1]
+        for i, slots in enumerate(chain_slots):
+            chain_k = key_buffer[slots].transpose(0, 1)
+            chain_v = value_buffer[slots].transpose(0, 1)
+            keys, values = self._row_kv(i, layer_id, chain_k, chain_v)
+            o = scaled_dot_product_attention(
+                q[i, :, None].unsqueeze(0), keys.unsqueeze(0).to(q.dtype),
+                values.unsqueeze(0).to(q.dtype), scale=scale, enable_gqa=gqa,
+            )  # fmt: skip
+            out[i] = o[0, :, 0]
+        return out
