@@ -14,6 +14,7 @@ Flag surface (fixed so that every part of the system agrees)::
     --vericache-fetch-drafting on|off  draft while a remote prefix is fetched
     --vericache-tier-lookup-deadline S  seconds a remote lookup may take before recomputing
     --vericache-tier-inflight-mb MB     host MB of remote writes (and of fetches) in flight
+    --vericache-placement auto|pressure|eager   when a drafted request's full KV leaves the pool
 """
 
 from __future__ import annotations
@@ -37,6 +38,21 @@ class VeriCacheConfigError(ValueError):
     def __init__(self, flag: str, message: str) -> None:
         super().__init__(f"{flag}: {message}")
         self.flag, self.reason = flag, message
+
+
+class Placement(enum.Enum):
+    """When a drafted request's full KV moves from the pool to its host buffer.
+
+    PRESSURE: only while admission or the next step is short of pool slots. EAGER: right after
+    prefill. AUTO: eager where the pool itself lives in host memory (the CPU backend: there the
+    move is a compaction, and attention reads a host buffer in place but must gather a row's
+    scattered pool slots), pressure elsewhere (an accelerator's pool is faster to read than
+    host memory across PCIe).
+    """
+
+    AUTO = "auto"
+    PRESSURE = "pressure"
+    EAGER = "eager"
 
 
 class TierKind(enum.Enum):
@@ -111,6 +127,15 @@ def parse_positive(flag: str, value: str | float, kind: type = float) -> Any:
     return number
 
 
+def parse_placement(value: str) -> Placement:
+    try:
+        return Placement(value)
+    except ValueError:
+        accepted = ", ".join(p.value for p in Placement)
+        raise VeriCacheConfigError("--vericache-placement",
+                                   f"{value!r} is not a placement (accepted: {accepted})") from None
+
+
 def parse_on_off(flag: str, value: str) -> bool:
     if value not in ("on", "off"):
         raise VeriCacheConfigError(flag, f"{value!r} is not 'on' or 'off'")
@@ -142,12 +167,13 @@ class VeriCacheConfig:
     fetch_drafting: bool = True
     tier_lookup_deadline_s: float = DEFAULT_LOOKUP_DEADLINE_S
     tier_inflight_mb: int = DEFAULT_INFLIGHT_MB
+    placement: Placement = Placement.AUTO
 
     @classmethod
     def from_flags(
         cls, *, enabled: bool, compressor: str, draft_len: str, tier: str,
         fetch_drafting: str = "on", tier_lookup_deadline: str | float = DEFAULT_LOOKUP_DEADLINE_S,
-        tier_inflight_mb: str | int = DEFAULT_INFLIGHT_MB,
+        tier_inflight_mb: str | int = DEFAULT_INFLIGHT_MB, placement: str = "auto",
     ) -> "VeriCacheConfig":  # fmt: skip
         return cls(
             enabled=enabled,
@@ -158,6 +184,7 @@ class VeriCacheConfig:
             tier_lookup_deadline_s=parse_positive("--vericache-tier-lookup-deadline",
                                                   tier_lookup_deadline),  # fmt: skip
             tier_inflight_mb=parse_positive("--vericache-tier-inflight-mb", tier_inflight_mb, int),
+            placement=parse_placement(placement),
         )
 
     @classmethod
@@ -170,6 +197,7 @@ class VeriCacheConfig:
             fetch_drafting=ns.vericache_fetch_drafting,
             tier_lookup_deadline=ns.vericache_tier_lookup_deadline,
             tier_inflight_mb=ns.vericache_tier_inflight_mb,
+            placement=ns.vericache_placement,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -178,6 +206,7 @@ class VeriCacheConfig:
         d["tier"] = str(self.tier)
         d["draft_len"] = "auto" if self.draft_len is None else self.draft_len
         d["fetch_drafting"] = "on" if self.fetch_drafting else "off"
+        d["placement"] = self.placement.value
         return d
 
     @classmethod
@@ -190,6 +219,7 @@ class VeriCacheConfig:
             fetch_drafting=parse_on_off("fetch_drafting", str(d.get("fetch_drafting", "on"))),
             tier_lookup_deadline_s=float(d.get("tier_lookup_deadline_s", DEFAULT_LOOKUP_DEADLINE_S)),
             tier_inflight_mb=int(d.get("tier_inflight_mb", DEFAULT_INFLIGHT_MB)),
+            placement=parse_placement(str(d.get("placement", "auto"))),
         )
 
 
@@ -252,6 +282,16 @@ def add_cli_flags(parser: argparse.ArgumentParser) -> None:
         help="With a remote tier: host memory for write-throughs in flight, and separately for "
         "fetches in flight (past it a write is skipped for a later turn, a fetch recomputes). "
         f"Default: {DEFAULT_INFLIGHT_MB}.",
+    )
+    group.add_argument(
+        "--vericache-placement",
+        default=Placement.AUTO.value,
+        metavar="auto|pressure|eager",
+        help="When a drafted request's full KV leaves the KV pool for its host buffer: "
+        "'pressure' only while admission or the next step lacks pool slots, 'eager' right after "
+        "prefill, 'auto' eager where the pool is in host memory (CPU: attention then reads one "
+        "contiguous buffer in place instead of gathering pool slots) and pressure elsewhere. "
+        "Default: auto.",
     )
 
 

@@ -1,10 +1,13 @@
 """Where a drafted request's full KV lives: in the device pool while it has room, on the host
 when admission or decoding needs the room (pure bookkeeping, no torch).
 
-Offloading right after prefill, as VeriCache first did, only adds work at an ample budget: every
-verify then reads the KV back across the host link, and the freed slots sit unused. So a drafted
-request's full KV stays RESIDENT until the pool is short, and is then offloaded, largest first
-(fewest moves for the room), until the shortfall is covered::
+On an accelerator, offloading right after prefill only adds work at an ample budget: every
+verify then reads the KV back across the host link, and the freed slots sit unused. So under
+``--vericache-placement pressure`` (what ``auto`` is there) a drafted request's full KV stays
+RESIDENT until the pool is short, and is then offloaded, largest first (fewest moves for the
+room), until the shortfall is covered (on the CPU backend ``auto`` offloads right after
+prefill instead: its pool is host memory, and a row's own buffer is read in place while its
+pool slots are gathered; ``config.Placement``)::
 
     shortfall = max(deficit, low_water - free slots, 0)
     deficit   = what the last admission attempt lacked for the request it could not fit

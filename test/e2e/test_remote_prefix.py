@@ -1,9 +1,9 @@
 """Remote prefix reuse through the zmq KV server, between two real --vericache servers.
 
 One KV server process on 127.0.0.1 (throttled, fault injection on) is shared by servers A and
-B. A prefix computed on A is a hit on B; the next turn on A fetches its full prefix back and is
-drafted from A's compressed copy meanwhile; a corrupted chunk, and a KV server killed in the middle
-of a fetch, make B recompute, with output token-identical to plain SGLang every time.
+B. A prefix computed on A is a hit on B; the next turn on A hits the prefix A kept on its device
+(the pool has room); a corrupted chunk, and a KV server killed in the middle of a fetch, make B
+recompute, with output token-identical to plain SGLang every time.
 """
 
 from __future__ import annotations

@@ -6,6 +6,7 @@ import pytest
 
 from sglang_vericache.config import (
     MAX_DRAFT_LEN,
+    Placement,
     TierKind,
     TierSpec,
     VeriCacheConfig,
@@ -97,13 +98,20 @@ def test_config_survives_the_dict_round_trip() -> None:
     cfg = parse_cli_flags(
         ["--vericache", "--vericache-draft-len", "8", "--vericache-tier", "lmcache://h:1",
          "--vericache-fetch-drafting", "off", "--vericache-tier-lookup-deadline", "0.25",
-         "--vericache-tier-inflight-mb", "64"]
+         "--vericache-tier-inflight-mb", "64", "--vericache-placement", "pressure"]
     )  # fmt: skip
-    assert not cfg.fetch_drafting
+    assert not cfg.fetch_drafting and cfg.placement is Placement.PRESSURE
     assert cfg.tier_lookup_deadline_s == 0.25 and cfg.tier_inflight_mb == 64
     assert VeriCacheConfig.from_dict(cfg.to_dict()) == cfg
     auto = parse_cli_flags([])
     assert VeriCacheConfig.from_dict(auto.to_dict()) == auto
+
+
+def test_placement_is_auto_by_default_and_a_bad_one_names_the_choices() -> None:
+    assert parse_cli_flags([]).placement is Placement.AUTO
+    assert parse_cli_flags(["--vericache-placement", "eager"]).placement is Placement.EAGER
+    with pytest.raises(VeriCacheConfigError, match="--vericache-placement.*auto, pressure, eager"):
+        parse_cli_flags(["--vericache-placement", "lazy"])
 
 
 def test_fetch_drafting_is_on_or_off() -> None:

@@ -57,6 +57,12 @@ class PoolOffloader:
         self.slot_bytes = slot_bytes(pool, num_layers)
         self.reserve_shortfall = 0  # slots the compressed KV needed but the pool lacked
 
+    @property
+    def pool_in_host_memory(self) -> bool:
+        """The pool is in host memory (the CPU backend): host buffers are read in place there,
+        while a row's pool slots are gathered (``OffloadLedger.read``)."""
+        return self.pool.get_key_buffer(0).device.type == "cpu"
+
     def row_slots(self, row: int, start: int, end: int) -> Tensor:
         """Pool slots of positions [start, end) of req_to_token row ``row``: [n] int64."""
         return self.table[row, start:end].to(torch.int64)

@@ -16,10 +16,12 @@ Requests decoded plainly (sampling, logprobs, ...) never offload and are cached 
 without ``--vericache``.
 
 With a remote tier (``--vericache-tier zmq://...`` / ``lmcache://...``) the full KV of a
-finished drafted sequence goes to the tier (write-through) and only its compressed KV stays
-local (``srt/draft_ahead.py``): a prompt whose prefix the tier holds past the device match is
-loaded from it instead of recomputed (``srt/remote_prefix.py``), and while that fetch runs
-the request is drafted from the local compressed prefix. A prefix computed by one server is a
+finished drafted sequence goes to the tier (write-through) and its compressed KV stays local
+(``srt/draft_ahead.py``); its full KV comes back into the pool as well where the pool has free
+room (no eviction for it), so the next turn on this server is a device hit. A prompt whose
+prefix the tier holds past the device match is loaded from it instead of recomputed
+(``srt/remote_prefix.py``), and while that fetch runs the request is drafted from the local
+compressed prefix. A prefix computed by one server is a
 hit on every server sharing the tier.
 """
 
@@ -90,7 +92,11 @@ class VeriCacheRadixCache(RadixCache):
             if self.ahead is not None:
                 self.ahead.remember(req.rid, tokens)
             if self.offloader.ledger.span(row) is not None and self.remote.tier_up:
-                return  # full KV in the tier, compressed KV local: nothing more on the device
+                # full KV in the tier, compressed KV local; back on the device too where the
+                # pool has free room (a cached node, evicted like any other when it is needed)
+                if not self.disable and self.offloader.restore(row, lambda n: None):
+                    super().checkpoint(req, up_to=up_to)
+                return
             # a tier that is failing would lose it: keep it on the device as without a tier
         if self.disable:
             return  # nothing is cached; the row's placeholders are skipped when it is freed

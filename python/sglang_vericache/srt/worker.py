@@ -41,7 +41,7 @@ import torch
 from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
 
 from sglang_vericache.compress import build_compressor
-from sglang_vericache.config import TierKind
+from sglang_vericache.config import Placement, TierKind
 from sglang_vericache.srt.attention import QueryCapture, VeriCacheAttnBackend
 from sglang_vericache.srt.batch_inputs import (
     spec_result,
@@ -138,10 +138,19 @@ class VeriCacheWorker(DecodeSteps, BaseSpecWorker):
             self._ahead.attach(self.model_runner.model)
         return self._ahead
 
+    @property
+    def eager_offload(self) -> bool:
+        """Drafted rows' full KV moves to host memory right after prefill (``Placement``)."""
+        placement = self.config.placement
+        return placement is Placement.EAGER or (
+            placement is Placement.AUTO and self.offloader.pool_in_host_memory)  # fmt: skip
+
     def _offload(self, req: Any, row: int, committed: int, compressed_bytes: int) -> None:
-        """Move an offloaded row's newly committed KV to host memory too. A row still in the pool
-        stays there until pressure moves it (``relieve_pressure``); offload-only always moves."""
-        if not self.offload_only and self.offloader.ledger.span(row) is None:
+        """Move an offloaded row's newly committed KV to host memory too. Under pressure
+        placement a row still in the pool stays there until pressure moves it
+        (``relieve_pressure``); eager placement and offload-only always move."""
+        span = self.offloader.ledger.span(row)
+        if not (self.offload_only or self.eager_offload) and span is None:
             return
         owned_from = int(req.kv.cache_protected_len)
         self.offloader.offload(row, owned_from, committed, compressed_bytes)
