@@ -196,6 +196,9 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--compressor", default="snapkv:ratio=0.25")
     ap.add_argument("--draft-len", default="auto")
+    ap.add_argument("--placements", nargs="+", default=["auto"],
+                    help="--vericache-placement of each VeriCache server (the first is profiled "
+                         "in full)")
     ap.add_argument("--seed", type=int, default=23, help="prompt set (not the tuning prompts)")
     ap.add_argument("--out", type=Path, default=REPO / "benchmark/results/step_profile")
     args = ap.parse_args()
@@ -219,14 +222,21 @@ def main() -> None:
             "plain": serve(base, prompts, args.max_new_tokens, logs / "plain.log", False),
             OFFLOAD_ONLY: serve(base + ["--vericache", "--vericache-draft-len", "0"], prompts,
                                 args.max_new_tokens, logs / "offload-only.log", True),
-            "vericache": serve(base + vc, prompts, args.max_new_tokens, logs / "vericache.log",
-                               True),
-        }  # fmt: skip
-        report["runs"].append(summarize(b, runs))
+        }
+        for placement in args.placements:
+            name = vericache_name(placement, args.placements)
+            runs[name] = serve(base + vc + ["--vericache-placement", placement], prompts,
+                               args.max_new_tokens, logs / f"vericache-{placement}.log", True)
+        report["runs"].append(summarize(b, runs, vericache_name(args.placements[0],
+                                                                args.placements)))
         write(report, args.out)
 
 
-def summarize(batch: int, runs: dict) -> dict:
+def vericache_name(placement: str, placements: list[str]) -> str:
+    return "vericache" if len(placements) == 1 else f"vericache (placement {placement})"
+
+
+def summarize(batch: int, runs: dict, profiled: str = "vericache") -> dict:
     ref = runs["plain"]["outputs"]
     out = {"concurrency": batch, "systems": {}}
     for name, run in runs.items():
@@ -241,7 +251,8 @@ def summarize(batch: int, runs: dict) -> dict:
             "decode_window_s": run["decode_window_s"], "wall_s": run["wall_s"],
             "identical": f"{same}/{len(ref)}",
         }
-    out["profile"] = profile(runs["vericache"], batch)
+    out["profile"] = profile(runs[profiled], batch)
+    out["profiled"] = profiled
     out["offload_profile"] = profile(runs[OFFLOAD_ONLY], batch)
     return out
 

@@ -38,7 +38,7 @@ def markdown(report: dict) -> str:
         mdl = p["model_ms"]
         lines += [
             "",
-            f"VeriCache's steps while all {b} decode: {p['steps']} steps "
+            f"{run.get('profiled', 'vericache')}'s steps while all {b} decode: {p['steps']} steps "
             f"({', '.join(f'{k}: {int(v)}' for k, v in p['decisions'].items() if v)}), "
             f"{p['drafts_per_verify']} drafts and {p['committed_per_verify']} committed tokens "
             f"per verified row; context ~{p['context']} tokens, compressed view ~"
@@ -94,7 +94,7 @@ def plot(report: dict, path: Path) -> None:
             bottom += ms
         ax.set_xticks([0, 1], ["measured", "cost model\n(draft + verify)"])
         ax.set_ylabel("ms per drafting step")
-        vc = run["systems"]["vericache"]
+        vc = run["systems"][run.get("profiled", "vericache")]
         ax.set_title(f"B={run['concurrency']}: {vc['decode_vs_plain']}x plain, "
                      f"{vc['decode_vs_offload']}x offload-only")  # fmt: skip
         ax.legend(fontsize=7)
