@@ -166,3 +166,20 @@ def test_a_row_in_one_run_of_pool_slots_is_read_in_place() -> None:
         assert torch.equal(keys, want_k) and torch.equal(values, want_v)
         shares = keys.untyped_storage().data_ptr() == kv.get_key_buffer(1).untyped_storage().data_ptr()
         assert shares == in_place
+
+
+def test_a_range_spanning_pool_host_and_tail_reads_exactly() -> None:
+    """read_range over [start, end) crossing the tree-owned pool prefix, the host range and
+    the pool tail returns the pool's original bytes for exactly those positions."""
+    from sglang_vericache.srt.offloader import PoolOffloader
+
+    kv, rows, alloc = _pools(1)
+    off = PoolOffloader(kv, rows, alloc, LAYERS)
+    _fill_row(rows, alloc, 3, 140)
+    before = _full_kv(off, 3, 140)
+    off.offload(3, owned_from=10, committed=120, compressed_bytes=0)
+    assert (off.ledger.span(3).lo, off.ledger.span(3).hi) == (10, 120)
+    for start, end in ((0, 140), (5, 15), (12, 100), (100, 130), (125, 140)):
+        read = off.range_reader(3, start, end)
+        for layer in range(LAYERS):
+            assert torch.equal(torch.stack(read(layer)), before[layer][:, :, start:end])

@@ -232,3 +232,28 @@ def test_meta_info_hook_keeps_the_latest_counters_only() -> None:
     assert meta == {META_INFO_KEY: {"committed": 7}} and not calls
     _meta_info_around(lambda *a: calls.append(a), meta, None, "other", [1])
     assert len(calls) == 1  # other keys keep SGLang's behaviour
+
+
+@pytest.mark.parametrize("spec", ["snapkv:ratio=0.5", "kivi:bits=4", "streaming:sink=4,window=28"])
+def test_catching_up_equals_appending_token_by_token(pool, spec: str) -> None:
+    """Plain steps leave a state behind; one catch-up from the full KV leaves it exactly where
+    appending each plain step's token would have (the caches do not depend on chunking). Its
+    folds score by the prompt's queries (plain steps bring none: a scorer used to raise)."""
+    from sglang_vericache.srt.draft_state import RequestDraftState
+
+    compressor = build_compressor(spec)
+    queries = [torch.randn(H_Q, 8, D) for _ in range(LAYERS)]
+    build = lambda: RequestDraftState.build(compressor, layer_reader(pool, torch.arange(T)), T,  # noqa: E731
+                                            queries, LAYERS)  # fmt: skip
+    stepwise, lazy = build(), build()
+    extra = torch.arange(100, 170)  # 70 plain steps' tokens: enough to fold twice
+    for slot in extra:
+        stepwise.append(reader(pool), slot[None], [None] * LAYERS)
+    behind = RequestDraftState.in_step(lazy, None, compressor, None, T + 70, LAYERS, None)
+    assert behind is lazy and lazy.covered == T  # behind is fine: it catches up before drafting
+    read = reader(pool)
+    assert lazy.catch_up(lambda layer: read(layer, extra), T + 70) == 70
+    assert lazy.covered == stepwise.covered == T + 70 and lazy.catch_up(None, T + 70) == 0
+    lazy.check_integrity()
+    for (ka, va), (kb, vb) in zip(lazy.views(), stepwise.views()):
+        assert torch.equal(ka, kb) and torch.equal(va, vb)

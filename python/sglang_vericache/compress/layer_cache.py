@@ -44,10 +44,13 @@ class CompressedLayerCache:
 
     def __init__(self, compressor: Compressor, layer_id: int, compressed: CompressedKV, *,
                  num_layers: int | None = None, fold_every: int = 32, obs_window: int = 32,
-                 recent: int = 0) -> None:
+                 recent: int = 0, observation: Observation | None = None) -> None:
         """recent: tokens that always stay in the full-precision window (never folded yet); 0
         folds the whole window every ``fold_every`` tokens (the setting the benchmark measured).
-        A composition thins each folded chunk, so recent > 0 keeps the newest tokens whole."""
+        A composition thins each folded chunk, so recent > 0 keeps the newest tokens whole.
+        observation: what ``compressed`` was selected with (the prompt's last queries); folds
+        score with it until appended queries replace it, so a request whose first folds come
+        from plain steps (appends without queries) still has queries to score by."""
         if fold_every < 1 or obs_window < 0 or recent < 0:
             raise ValueError("fold_every must be >= 1, obs_window and recent >= 0")
         self.recent = recent
@@ -65,6 +68,9 @@ class CompressedLayerCache:
         self._positions = torch.empty(0, dtype=torch.int64, device=dev)  # [w]
         self._queries: Tensor | None = None  # last obs_window committed queries [H_q, <=W, D]
         self._query_positions: Tensor | None = None
+        if observation is not None and observation.queries is not None and obs_window:
+            self._queries = observation.queries[:, -obs_window:]
+            self._query_positions = observation.query_positions[-obs_window:]
         self._buf_k: Tensor | None = None  # [H_kv, capacity, D] body + window + room
         self._buf_v: Tensor | None = None
         self._pack(0)

@@ -8,8 +8,10 @@ methods, the way SGLang splits its scheduler into mixins; they read the worker's
 ``speculative_num_draft_tokens``. Everything runs on the scheduler thread.
 
     _decode_step  prepare: compressed views in step, pressure offload, draft-or-plain plan
-    _plain_step   one token per row from SGLang's own decode forward and sampler
-    _verify_step  _draft (x forwards over the compressed views), one full-KV verify, accept
+    _plain_step   one token per row from SGLang's own decode forward and sampler (compressed KV
+                  is left behind: nothing drafts from it until drafting resumes)
+    _verify_step  compressed KV caught up, _draft (x forwards over the compressed views), one
+                  full-KV verify, accept
     _commit       per drafted row: compressed KV append, stats, placement
 """
 
@@ -85,7 +87,8 @@ class DecodeSteps:
                         "pay); it decodes offload-only", batch.reqs[i].rid)  # fmt: skip
 
     def _sync_states(self, batch, drafted: list[int]) -> None:
-        """Every drafted row gets a compressed KV covering exactly its committed KV."""
+        """Every drafted row gets a compressed KV covering at most its committed KV (behind
+        after plain steps: ``_verify_step`` catches it up before drafting)."""
         bases = batch.seq_lens_cpu.tolist()
         rows = batch.req_pool_indices.tolist()
         for i in drafted:
@@ -107,12 +110,8 @@ class DecodeSteps:
         self.draft_length.observe_forward(ForwardKind.PLAIN, plain_shape(batch),
                                           time.perf_counter() - started)  # fmt: skip
         self._lap(Phase.PLAIN)
-        for i, req in enumerate(batch.reqs):
+        for i, req in enumerate(batch.reqs):  # compressed KV catches up when drafting resumes
             state = self.states.get(req.rid)
-            if state is not None:
-                slots = self.offloader.row_slots(rows[i], int(base[i]), int(base[i]) + 1)
-                state.append(self.offloader.read_slots, slots, [None] * self.num_layers)
-                self._lap(Phase.COMMIT)
             if state is not None or self.book.offloads_plainly(req.rid):
                 self._offload(req, rows[i], int(base[i]) + 1, 0 if state is None else state.nbytes)
                 self._lap(Phase.OFFLOAD)
@@ -161,6 +160,11 @@ class DecodeSteps:
             self.book.note_plain(batch.reqs[i])
         width = 1 + drafts
         base = batch.seq_lens_cpu.clone()
+        pool_rows = batch.req_pool_indices.tolist()
+        for i in drafted:  # plain steps left their compressed KV behind: level it first
+            state, length = self.states[batch.reqs[i].rid], int(base[i])
+            state.catch_up(self.offloader.range_reader(pool_rows[i], state.covered, length), length)
+        self._lap(Phase.COMMIT)
         # Drafts made while fetching are greedy, unmasked and carry no q: all-greedy steps only.
         ahead = None if plain_rows or step.sampled or step.grammar else batch_proposals(
             self.ahead, batch.reqs, width - 1, self.book.ahead_used, self.device)
@@ -194,7 +198,6 @@ class DecodeSteps:
                                  sampled, plain_rows, base.to(self.device))  # fmt: skip
         self._lap(Phase.VERIFY)
         predict, accept_lens = accepted.committed, accepted.accept_lens
-        pool_rows = batch.req_pool_indices.tolist()
         for i in drafted:
             queries = [capture.queries[i][layer] for layer in range(self.num_layers)]
             self._commit(batch.reqs[i], pool_rows[i], int(base[i]), int(accept_lens[i]),

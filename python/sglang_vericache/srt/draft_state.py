@@ -35,8 +35,9 @@ class RequestDraftState:
     """The compressed KV of one request, one ``CompressedLayerCache`` per layer.
 
     ``covered`` is the number of leading positions whose KV the caches hold (compressed or in
-    their full-precision recent window); it always equals the request's committed KV length
-    after each step.
+    their full-precision recent window). A verify step's commit keeps it equal to the request's
+    committed KV length; plain steps leave it behind (nothing drafts from it then), and
+    ``catch_up`` brings it level before the next draft.
     """
 
     layers: list[CompressedLayerCache]
@@ -70,7 +71,8 @@ class RequestDraftState:
             ckv = compressor.compress(layer, keys, values, obs)
             caches.append(
                 CompressedLayerCache(
-                    compressor, layer, ckv, num_layers=num_layers, recent=RECENT_WINDOW
+                    compressor, layer, ckv, num_layers=num_layers, recent=RECENT_WINDOW,
+                    observation=obs,
                 )
             )
         return cls(layers=caches, covered=t)
@@ -94,12 +96,13 @@ class RequestDraftState:
     @classmethod
     def in_step(cls, state: "RequestDraftState | None", req: Any, compressor: Compressor,
                 read: LayerReader, length: int, num_layers: int, mode: Any) -> "RequestDraftState":
-        """``state`` if it covers exactly the ``length`` committed tokens, else ``rebuild``'s
-        (normally built at prefill and kept in step by each commit; a request that arrives
-        without one, or out of step after a retraction the worker did not see, is compressed
-        again from its full KV, which is always exact). ``mode``: the rebuilt state's stats mode.
+        """``state`` if it covers at most the ``length`` committed tokens (behind after plain
+        steps: ``catch_up`` before drafting), else ``rebuild``'s (normally built at prefill and
+        kept by each commit; a request that arrives without one, or ahead of its KV after a
+        retraction the worker did not see, is compressed again from its full KV, which is always
+        exact). ``mode``: the rebuilt state's stats mode.
         """
-        if state is not None and state.covered == length:
+        if state is not None and state.covered <= length:
             return state
         if state is not None:
             logger.warning("request %s: compressed KV out of step; rebuilding", req.rid)
@@ -116,6 +119,20 @@ class RequestDraftState:
         while a prefix is fetched prefills over them; decode steps read ``view_parts`` of one
         layer at a time instead: ``srt/draft_attention.py``)."""
         return [cache.view()[:2] for cache in self.layers]
+
+    def catch_up(self, read: LayerReader, length: int) -> int:
+        """Append positions covered..length-1, read per layer by ``read`` ([H_kv, n, D] keys
+        and values of exactly those positions), without queries, as plain steps would have one
+        by one (the caches' state does not depend on how appends are chunked). Returns n."""
+        n = length - self.covered
+        if n <= 0:
+            return 0
+        positions = torch.arange(self.covered, length)
+        for layer, cache in enumerate(self.layers):
+            keys, values = read(layer)
+            cache.append(keys, values, positions, None)
+        self.covered = length
+        return n
 
     def append(self, read: PoolReader, slots: Tensor, queries: Sequence[Tensor | None]) -> None:
         """Add newly committed tokens (KV at ``slots`` [n], positions covered..covered+n-1).

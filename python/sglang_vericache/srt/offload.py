@@ -169,15 +169,29 @@ class OffloadLedger:
         entry = self.rows.get(row)
         if entry is None or entry.lo >= end:
             return read_pool_kv(pool, layer, table[row, :end], view_ok=True)
-        hi = min(entry.hi, end)
-        device = table.device
-        if entry.lo == 0 and hi == entry.hi:  # all of the host buffer, then the pool's tail:
-            tk, tv = read_pool_kv(pool, layer, table[row, hi:end])  # in place where it fits
+        if entry.lo == 0 and entry.hi <= end:  # all of the host buffer, then the pool's tail:
+            tk, tv = read_pool_kv(pool, layer, table[row, entry.hi : end])  # in place if it fits
             whole = entry.host.layer_with_tail(layer, tk, tv)
             if whole is not None:
                 return whole
-        pk, pv = read_pool_kv(pool, layer, table[row, : entry.lo])
-        hk, hv = entry.host.layer(layer, 0, hi - entry.lo)
+        return self.read_range(pool, table, layer, row, 0, end)
+
+    def read_range(self, pool: Any, table: Tensor, layer: int, row: int, start: int, end: int
+                   ) -> tuple[Tensor, Tensor]:  # fmt: skip
+        """Exact K and V of positions [start, end) of ``row``, each [H_kv, end - start, D] on the
+        pool device: the pool's slots before and after its host range, the host range between
+        (gathered and concatenated: a copy the caller may keep)::
+
+            positions  start .. lo | lo ...... hi | hi .. end
+            from       pool slots  | host buffer  | pool slots
+        """
+        entry = self.rows.get(row)
+        if entry is None or entry.lo >= end or entry.hi <= start:
+            return read_pool_kv(pool, layer, table[row, start:end])
+        lo, hi = max(start, entry.lo), min(end, entry.hi)
+        device = table.device
+        pk, pv = read_pool_kv(pool, layer, table[row, start:lo])
+        hk, hv = entry.host.layer(layer, lo - entry.lo, hi - entry.lo)
         tk, tv = read_pool_kv(pool, layer, table[row, hi:end])
         keys = torch.cat([pk, hk.to(device, non_blocking=True), tk], dim=1)
         values = torch.cat([pv, hv.to(device, non_blocking=True), tv], dim=1)

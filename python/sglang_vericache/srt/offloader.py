@@ -75,6 +75,11 @@ class PoolOffloader:
         """layer -> exact (K, V) of positions [0, end) of ``row``, each [H_kv, end, D]."""
         return lambda layer: self.ledger.read(self.pool, self.table, layer, row, end)
 
+    def range_reader(self, row: int, start: int, end: int
+                     ) -> Callable[[int], tuple[Tensor, Tensor]]:  # fmt: skip
+        """layer -> exact (K, V) of positions [start, end) of ``row``, each [H_kv, n, D]."""
+        return lambda layer: self.ledger.read_range(self.pool, self.table, layer, row, start, end)
+
     def offload(self, row: int, owned_from: int, committed: int, compressed_bytes: int,
                 min_tokens: int = TAIL_CHUNK) -> OffloadResult:  # fmt: skip
         """Move positions [lo, floor_page(committed)) of ``row`` to the host.
