@@ -11,12 +11,28 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:.1f} MiB"
 
 
+def calibration(run: dict) -> float:
+    """Today's machine speed against the fit's: the offload-only baseline's plain forward (the
+    same machine, the same run) over the model's prediction for it. These shared cores drift
+    by 2x between days; the fit's constants are from one of them."""
+    off = run["offload_profile"]
+    model = off["model_ms"]["plain"]
+    return off["ms_when_run"].get("plain", model) / model if model else 1.0
+
+
+def _vs(measured: float | None, predicted: float) -> str:
+    if measured is None or not predicted:
+        return "-"
+    return f"{measured / predicted:.2f}x"
+
+
 def markdown(report: dict) -> str:
     s = report["settings"]
     lines = [
         "# Step profile: decode throughput while every request decodes, and where a step goes",
         "",
-        f"Prompts ~{s['prompt_tokens']} tokens (seed {s['seed']}), {s['max_new_tokens']} new "
+        f"Prompts of {s['prompt_tokens'] * 5 // 7}-{s['prompt_tokens']} tokens (seed {s['seed']}), "
+        f"{s['max_new_tokens']} new "
         f"tokens, greedy, ample budget; VeriCache `{s['compressor']}`, draft length "
         f"`{s['draft_len']}`. `python benchmark/step_profile.py --concurrency "
         f"{' '.join(str(r['concurrency']) for r in report['runs'])}`.",
@@ -35,7 +51,7 @@ def markdown(report: dict) -> str:
                 f"{r['e2e_vs_offload']}x | {r['identical']} |"
             )
         p = run["profile"]
-        mdl = p["model_ms"]
+        mdl, cal = p["model_ms"], calibration(run)
         lines += [
             "",
             f"{run.get('profiled', 'vericache')}'s steps while all {b} decode: {p['steps']} steps "
@@ -44,20 +60,27 @@ def markdown(report: dict) -> str:
             f"per verified row; context ~{p['context']} tokens, compressed view ~"
             f"{p['view_tokens']} tokens per row.",
             "",
+            f"The cost model is the CPU fit x {cal:.2f}, today's speed of this machine against the "
+            "fit's (the offload-only server's plain forward in this run over its prediction).",
+            "",
             "| phase | steps it ran in | ms per step it ran in | ms per step (all steps) | cost "
-            "model |",
-            "|---|---|---|---|---|",
+            "model (calibrated) | measured / model |",
+            "|---|---|---|---|---|---|",
         ]
-        model_of = {"draft": f"{mdl['draft_forward']} per forward (measured "
-                             f"{p['draft_ms_per_forward']})",
-                    "verify": str(mdl["verify"]), "plain": str(mdl["plain"]),
-                    "other": f"scheduler {mdl['scheduler']} (outside the worker: not in this "
-                             "row)"}  # fmt: skip
+        when = p["ms_when_run"]
+        model_of = {
+            "draft": (f"{cal * mdl['draft_forward']:.1f} per forward (measured "
+                      f"{p['draft_ms_per_forward']})",
+                      _vs(p["draft_ms_per_forward"], cal * mdl["draft_forward"])),
+            "verify": (f"{cal * mdl['verify']:.1f}", _vs(when.get("verify"), cal * mdl["verify"])),
+            "plain": (f"{cal * mdl['plain']:.1f}", _vs(when.get("plain"), cal * mdl["plain"])),
+            "other": (f"scheduler {cal * mdl['scheduler']:.1f} (outside the worker)", "-"),
+        }  # fmt: skip
         for phase in PHASES:
             ran = p["phase_steps"].get(phase, p["steps"] if phase == "other" else 0)
-            lines.append(f"| {phase} | {ran} | {p['ms_when_run'].get(phase, '-')} | "
-                         f"{p['ms_per_step'][phase]} | "
-                         f"{model_of.get(phase, 'not modelled (0)')} |")  # fmt: skip
+            predicted, ratio = model_of.get(phase, ("not modelled (0)", "-"))
+            lines.append(f"| {phase} | {ran} | {when.get(phase, '-')} | "
+                         f"{p['ms_per_step'][phase]} | {predicted} | {ratio} |")  # fmt: skip
         lines += [
             "",
             f"Peak transient bytes outside the pool per step: {_mib(p['peak_transient_bytes'])} "
@@ -86,13 +109,13 @@ def plot(report: dict, path: Path) -> None:
             ax.bar(0, ms, bottom=bottom, label=phase)
             bottom += ms
         x = p["drafts_per_verify"]
-        mdl = p["model_ms"]
-        model_bars = [("draft", x * mdl["draft_forward"]), ("verify", mdl["verify"])]
+        mdl, cal = p["model_ms"], calibration(run)
+        model_bars = [("draft", cal * x * mdl["draft_forward"]), ("verify", cal * mdl["verify"])]
         bottom = 0.0
         for name, ms in model_bars:
             ax.bar(1, ms, bottom=bottom, color="C1" if name == "draft" else "C2", alpha=0.5)
             bottom += ms
-        ax.set_xticks([0, 1], ["measured", "cost model\n(draft + verify)"])
+        ax.set_xticks([0, 1], ["measured", f"cost model x {cal:.2f}\n(draft + verify)"])
         ax.set_ylabel("ms per drafting step")
         vc = run["systems"][run.get("profiled", "vericache")]
         ax.set_title(f"B={run['concurrency']}: {vc['decode_vs_plain']}x plain, "
