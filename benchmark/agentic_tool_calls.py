@@ -36,7 +36,7 @@ _SAMPLE = re.compile(r'^(vericache:\w+?)(?:_total)?\{([^}]*)\}\s+([0-9.eE+-]+)$'
 
 
 def vericache_counters(url: str) -> dict[str, dict[str, float]]:
-    """``{metric: {label value (mode, decision or phase, else empty): value}}`` from ``/metrics``."""
+    """``{metric: {label value (mode, decision or phase; else ''): value}}`` from /metrics."""
     with urllib.request.urlopen(url.rstrip("/") + "/metrics", timeout=30) as resp:
         text = resp.read().decode()
     out: dict[str, dict[str, float]] = defaultdict(dict)

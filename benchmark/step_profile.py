@@ -126,8 +126,8 @@ def serve(args_list: list[str], prompts: list[dict], max_new: int, log: Path,
         raise RuntimeError(f"{log.stem}: no span with every request decoding (a request finished "
                            f"before the last one started: raise --max-new-tokens; see {log})")
     span = window.closed - window.opened
-    in_window = sum(tokens_at(r["timeline"], window.closed) - tokens_at(r["timeline"], window.opened)
-                    for r in rows)  # fmt: skip
+    in_window = sum(tokens_at(r["timeline"], window.closed)
+                    - tokens_at(r["timeline"], window.opened) for r in rows)  # fmt: skip
     mid = (window.opened + window.closed) / 2
     return {
         "outputs": [r["output_ids"] for r in rows],

@@ -164,8 +164,8 @@ def test_a_row_in_one_run_of_pool_slots_is_read_in_place() -> None:
         slots = rows.req_to_token[row, :50].to(torch.int64)
         want_k, want_v = read_pool_kv(kv, 1, slots)
         assert torch.equal(keys, want_k) and torch.equal(values, want_v)
-        shares = keys.untyped_storage().data_ptr() == kv.get_key_buffer(1).untyped_storage().data_ptr()
-        assert shares == in_place
+        pool_storage = kv.get_key_buffer(1).untyped_storage().data_ptr()
+        assert (keys.untyped_storage().data_ptr() == pool_storage) == in_place
 
 
 def test_a_range_spanning_pool_host_and_tail_reads_exactly() -> None:
