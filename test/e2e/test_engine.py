@@ -57,4 +57,5 @@ def test_engine_output_matches_plain_server(plain_server, default_model_path) ->
     assert out["output_ids"] == reference["output_ids"]
     stats = out["vericache"]
     assert stats["mode"] == "greedy" and stats["verify_steps"] >= 1, stats
-    assert stats["host_kv_tokens"] == 0, stats  # an ample budget: the full KV stays in the pool
+    # --vericache-placement auto on CPU: the full KV moved to its host buffer after prefill
+    assert stats["host_kv_tokens"] > 0, stats
