@@ -111,6 +111,10 @@ class CpuFit:
     plain_b_ms_per_token: float
     residuals_ms: dict[str, list[float]]
 
+    def forward_ms(self, kv_tokens: float, tokens: float) -> float:
+        """t_forward of a forward attending over ``kv_tokens`` with ``tokens`` in it."""
+        return self.f0_ms + self.g_ms_per_kv_token * kv_tokens + self.k_ms_per_token * tokens
+
     def hardware(self) -> m.Hardware:
         """The fit as a Hardware for SMOLLM2: HBM bandwidth = KV bytes per token / g, and so on."""
         return m.Hardware(

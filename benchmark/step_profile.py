@@ -39,6 +39,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 
 from model_params import SMOLLM2, fit_cpu  # noqa: E402
 from replay_agentic import stream_chat  # noqa: E402
+from step_profile_report import PHASES  # noqa: E402
 
 from benchmark.agentic_tool_calls import vericache_counters  # noqa: E402
 from benchmark.capacity import OFFLOAD_ONLY, SLOT_SLACK  # noqa: E402
@@ -46,7 +47,6 @@ from benchmark.prompts import build_prompt_set  # noqa: E402
 from sglang_vericache.exactness.server import SGLangServer  # noqa: E402
 from sglang_vericache.models import ensure_default_model  # noqa: E402
 
-PHASES = ("prepare", "draft", "verify", "plain", "commit", "offload", "other")
 
 
 class Window:
@@ -168,7 +168,7 @@ def profile(run: dict, batch: int) -> dict:
     per_layer_token = SMOLLM2.n_layers * SMOLLM2.n_kv_heads * (2 * SMOLLM2.head_dim * 4 + 4)
     view = sum(run["compressed_kv_bytes"]) / batch / per_layer_token
     fit = fit_cpu()
-    fwd = lambda kv, n: fit.f0_ms + fit.g_ms_per_kv_token * kv + fit.k_ms_per_token * n  # noqa: E731
+    fwd = fit.forward_ms
     width = x + 1
     layer_view = 2 * batch * (view + width) * SMOLLM2.n_kv_heads * SMOLLM2.head_dim * 4
     return {

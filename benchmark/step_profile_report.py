@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-PHASES = ("prepare", "draft", "verify", "plain", "commit", "offload", "other")
+from sglang_vericache.verify.step_profile import Phase
+
+PHASES = (*(phase.value for phase in Phase), "other")  # the metrics' phase labels
 
 
 def _mib(n: int) -> str:

@@ -202,8 +202,8 @@ class CompressedLayerCache:
 
     def view_parts(self) -> tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor]]:
         """((body keys, body values), (window keys, window values)), each [H_kv, n, D] in the
-        KV dtype: ``view()`` without the concatenation, for a caller that copies the parts into
-        its own buffer (a dropper's body is its stored tensors, not a copy)."""
+        KV dtype: ``view()`` without the concatenation, for a caller that joins the parts with
+        more of its own (a quantized body is dequantized; a dropper's is its stored tensors)."""
         return self._compressed.dequantize(), (self._keys, self._values)
 
     def view(self) -> tuple[Tensor, Tensor, Tensor]:

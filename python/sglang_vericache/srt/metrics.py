@@ -95,8 +95,8 @@ class VeriCacheExporter:
         self._draft_fwd = counter("draft_forwards", "Draft forwards over the compressed views.")
         self._transient = Gauge(
             "vericache:step_transient_bytes_peak",
-            "Largest tensor set a decode step built outside the KV pool (the draft workspace, "
-            "a row's verify KV), peak since start.",
+            "Largest tensor set a decode step built outside the KV pool (a quantized view with "
+            "its draft chain, a row's gathered verify KV), peak since start.",
             labelnames=names, multiprocess_mode="max",
         )  # fmt: skip
         self._transient_peak = 0

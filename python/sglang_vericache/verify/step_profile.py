@@ -31,7 +31,8 @@ class Phase(StrEnum):
 class StepProfile:
     """One decode step: ``seconds`` per phase that ran, ``other`` the rest of the step,
     ``draft_forwards`` draft forwards run, ``transient_bytes`` the largest tensor set built
-    outside the KV pool at once (the draft workspace, a row's verify KV)."""
+    outside the KV pool at once (a quantized view with its draft chain, a row's gathered
+    verify KV)."""
 
     seconds: dict[Phase, float]
     other: float
@@ -47,8 +48,8 @@ class StepClock:
     """Laps of one step at a time. Not thread-safe: the scheduler thread owns it.
 
     ``start`` opens a step; ``lap(phase, now)`` charges the time since the previous lap (or the
-    start) to ``phase``; ``skip(now)`` lets time pass uncharged (it lands in ``other``);
-    ``finish(now)`` closes the step and returns its profile.
+    start) to ``phase``; ``finish(now)`` closes the step and returns its profile (time after
+    the last lap lands in ``other``).
     """
 
     def __init__(self) -> None:
@@ -69,10 +70,6 @@ class StepClock:
     def lap(self, phase: Phase, now: float) -> None:
         self._require_open()
         self._seconds[phase] = self._seconds.get(phase, 0.0) + max(0.0, now - self._last)
-        self._last = now
-
-    def skip(self, now: float) -> None:
-        self._require_open()
         self._last = now
 
     def count_draft_forward(self) -> None:
