@@ -13,9 +13,14 @@ and the step drafts the best x only when its rate beats plain by ``margin`` (hys
 is not worth the compressed KV's upkeep). Drafting pays where attention over the full KV
 dominates a step (long contexts, large batches, high acceptance) and loses where the fixed and
 per-token cost of x + 1 forwards dominates: the same code finds both, on any device, from what
-it measured. Until every kind of forward has been timed a few times the planner explores (plain
-first, then drafting), and every ``explore_every``-th decision runs the mode it would not have
-chosen, so a fit never goes stale while the other mode is winning.
+it measured. Until every kind of forward has been timed a few times the planner measures (plain
+first, then drafting with short chains: 2, 4, 2 drafts, enough to tell a verify's per-query cost
+from its fixed cost, where the first chains of a fresh server would otherwise cost the most).
+Afterwards it now and then runs the mode it would not have chosen, so a fit never goes stale
+while the other mode is winning: first after ``explore_every`` decisions, then twice as long
+after each exploration that confirmed the choice (up to ``explore_max``), and back to
+``explore_every`` when one changed it. An exploration into drafting drafts the shortest chain:
+it is a probe, and where drafting loses every extra draft is lost time.
 """
 
 from __future__ import annotations
@@ -56,11 +61,12 @@ class StepDecision:
 @dataclass(frozen=True, slots=True)
 class PlannerConfig:
     margin: float = 0.05  # drafting must beat plain by this fraction
-    explore_every: int = 64  # every n-th decision takes the other mode once
+    explore_every: int = 64  # decisions before the first exploration (and after a changed mind)
+    explore_max: int = 1024  # longest interval between explorations
 
     def __post_init__(self) -> None:
-        if self.margin < 0 or self.explore_every < 2:
-            raise ValueError(f"need margin >= 0 and explore_every >= 2: {self}")
+        if self.margin < 0 or not 2 <= self.explore_every <= self.explore_max:
+            raise ValueError(f"need margin >= 0 and 2 <= explore_every <= explore_max: {self}")
 
 
 def _verify_kv_read(rows: Sequence[PlannedRow], width: int) -> int:
@@ -80,6 +86,9 @@ class StepPlanner:
         self.min_drafts, self.max_drafts, self.config = min_drafts, max_drafts, config
         self.costs = StepCostModel()
         self.decisions = 0
+        self.explore_interval = config.explore_every
+        self.next_exploration = config.explore_every  # the decision that explores next
+        self._explored_against: bool | None = None  # the choice the last exploration overrode
 
     def observe(self, kind: ForwardKind, shape: ForwardShape, seconds: float) -> None:
         self.costs.observe(kind, shape, seconds)
@@ -91,18 +100,32 @@ class StepPlanner:
         if not self.costs.ready(ForwardKind.PLAIN):
             return StepDecision(0, "measuring plain decode")
         if not (self.costs.ready(ForwardKind.DRAFT) and self.costs.ready(ForwardKind.VERIFY)):
-            return StepDecision(self._cap(rows, (self.min_drafts + self.max_drafts + 1) // 2),
-                            "measuring drafting")  # fmt: skip
+            odd = self.costs.fits[ForwardKind.VERIFY].samples % 2  # chains of 2, 4, 2 drafts
+            return StepDecision(self._cap(rows, self.min_drafts * (1 + odd)), "measuring drafting")
         plain_rate = self.plain_rate(rows)
         x, draft_rate = max(((x, self.draft_rate(rows, x)) for x in self._candidates(rows)),
                             key=lambda pair: (pair[1], pair[0]))  # fmt: skip
         drafting = draft_rate > plain_rate * (1.0 + self.config.margin)
-        if self.decisions % self.config.explore_every == 0:
-            drafting = not drafting  # keep the losing mode's fit fresh
-            reason = "exploring"
+        self._review_exploration(drafting)
+        if self.decisions < self.next_exploration:
+            return StepDecision(x if drafting else 0, "drafting pays" if drafting else PLAIN_FASTER,
+                                plain_rate, draft_rate)  # fmt: skip
+        self._explored_against = drafting  # keep the losing mode's fit fresh, as cheaply as can be
+        self.next_exploration = self.decisions + self.config.explore_max + 1  # until reviewed
+        x = 0 if drafting else self._cap(rows, self.min_drafts)
+        return StepDecision(x, "exploring", plain_rate, draft_rate)
+
+    def _review_exploration(self, drafting: bool) -> None:
+        """The first decision after an exploration, on fits that include it, sets the next one:
+        later when the exploration confirmed the choice it overrode, soon when it changed it."""
+        if self._explored_against is None:
+            return
+        if drafting == self._explored_against:
+            self.explore_interval = min(2 * self.explore_interval, self.config.explore_max)
         else:
-            reason = "drafting pays" if drafting else PLAIN_FASTER
-        return StepDecision(x if drafting else 0, reason, plain_rate, draft_rate)
+            self.explore_interval = self.config.explore_every
+        self._explored_against = None
+        self.next_exploration = self.decisions + self.explore_interval
 
     def _candidates(self, rows: Sequence[PlannedRow]) -> range:
         return range(self.min_drafts, self._cap(rows, self.max_drafts) + 1)

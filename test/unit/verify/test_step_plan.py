@@ -69,9 +69,12 @@ def test_shape_rejects_nonsense(bad) -> None:
         ForwardShape(*bad)
 
 
-def trained_planner(coef=CPU, draft_coef=None, max_drafts=7) -> StepPlanner:
+NEVER = PlannerConfig(explore_every=10**9, explore_max=10**9)
+
+
+def trained_planner(coef=CPU, draft_coef=None, max_drafts=7, config=NEVER) -> StepPlanner:
     """A planner whose three fits learned ``coef`` (drafts: ``draft_coef``) from 40 forwards."""
-    planner = StepPlanner(1, max_drafts, PlannerConfig(explore_every=10**9))
+    planner = StepPlanner(1, max_drafts, config)
     for shape in shapes(40, seed=3):
         planner.observe(ForwardKind.PLAIN, shape, cpu_seconds(shape, coef))
         planner.observe(ForwardKind.DRAFT, shape, cpu_seconds(shape, draft_coef or coef))
@@ -110,19 +113,55 @@ def test_draft_count_grows_with_acceptance_and_respects_remaining() -> None:
     assert planner.plan(batch(8, 8000, alpha=0.98, remaining=3)).drafts <= 2
 
 
-def test_explores_until_every_forward_is_measured_then_now_and_then() -> None:
-    planner = StepPlanner(1, 7, PlannerConfig(explore_every=5))
+def test_measures_plain_first_then_short_chains_then_explores_now_and_then() -> None:
+    planner = StepPlanner(2, 16, PlannerConfig(explore_every=5))
     rows = batch(4, 6000)
     assert planner.plan(rows).drafts == 0  # plain first: its cost is the baseline
     for shape in shapes(3):
         planner.observe(ForwardKind.PLAIN, shape, cpu_seconds(shape))
-    assert planner.plan(rows).drafts > 0  # then drafting, to measure it
+    probes = []
+    for _ in range(3):  # short chains of two widths: a fresh server's first drafts cost least
+        plan = planner.plan(rows)
+        assert plan.reason == "measuring drafting"
+        probes.append(plan.drafts)
+        planner.observe(ForwardKind.VERIFY, verify_shape(rows, plan.drafts + 1), 0.5)
+    assert probes == [2, 4, 2]
     for shape in shapes(3):
         planner.observe(ForwardKind.DRAFT, shape, cpu_seconds(shape))
         planner.observe(ForwardKind.VERIFY, shape, cpu_seconds(shape))
     plans = [planner.plan(rows) for _ in range(10)]
-    assert sum(p.reason == "exploring" for p in plans) == 2
+    assert sum(p.reason == "exploring" for p in plans) == 1
     assert {p.drafts > 0 for p in plans} == {True, False}
+
+
+def _explorations(planner: StepPlanner, rows, decisions: int) -> list[int]:
+    out = []
+    for _ in range(decisions):
+        plan = planner.plan(rows)
+        if plan.reason == "exploring":
+            out.append(planner.decisions)
+            assert plan.drafts in (0, planner.min_drafts)  # a probe: the shortest chain
+    return out
+
+
+def test_explorations_that_confirm_the_choice_come_ever_later() -> None:
+    """Where plain wins (short contexts), each probe of drafting costs time: the interval
+    doubles after every confirming exploration, up to explore_max."""
+    planner = trained_planner(config=PlannerConfig(explore_every=4, explore_max=32))
+    seen = _explorations(planner, batch(8, 1000), 140)
+    assert seen == [4, 13, 30, 63, 96, 129], seen  # +9, +17, +33, then the cap: +33
+
+
+def test_an_exploration_that_changes_the_choice_resets_the_interval() -> None:
+    planner = trained_planner(config=PlannerConfig(explore_every=4, explore_max=64))
+    short = batch(8, 1000)
+    _explorations(planner, short, 40)  # plain keeps winning: the interval grew
+    assert planner.explore_interval > 4
+    while planner.plan(short).reason != "exploring":
+        pass
+    long_rows = batch(8, 6300)  # the batch changed: drafting now pays
+    assert planner.plan(long_rows).drafts > 0
+    assert planner.explore_interval == 4 and planner.next_exploration == planner.decisions + 4
 
 
 def test_rows_that_cannot_draft_never_plan_drafts() -> None:
