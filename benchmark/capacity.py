@@ -1,4 +1,4 @@
-"""How many long requests fit one device KV budget, and how fast: plain SGLang vs --vericache.
+r"""How many long requests fit one device KV budget, and how fast: plain SGLang vs --vericache.
 
 Each budget (``--max-total-tokens``) holds ``--n-full`` requests of ``--prompt-tokens`` prompt +
 ``--max-new-tokens`` output with the full KV on the device. Every server gets the same
