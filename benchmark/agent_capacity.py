@@ -13,7 +13,7 @@ prefix comes back, but most were evicted meanwhile. Side by side, same sessions,
 - ``VeriCache, draft while fetching``: the same, drafting from the local compressed prefix while
   the full KV streams in.
 
-    python benchmark/agent_capacity.py               # 16 sessions x 5 turns, budget of ~4
+    python benchmark/agent_capacity.py       # 16 sessions x 5 turns x 32 tokens, budget of ~4
 
 Writes benchmark/results/agent_capacity.{json,md}: median and p90 TTFT and end-to-end latency per
 turn, the turns' wall time, prompt tokens recomputed (prompt minus cached), bytes fetched from the
@@ -150,13 +150,15 @@ def markdown(report: dict) -> str:
 
 def main() -> None:
     ap = session_args(__doc__, "agent_capacity")
-    ap.set_defaults(sessions=16)
+    ap.set_defaults(sessions=16, max_tokens=32)
     ap.add_argument("--holds", type=int, default=4,
                     help="sessions whose final full prefixes fit in the KV budget")
     ap.add_argument("--compressor", default="snapkv:ratio=0.25")
-    ap.add_argument("--system-tokens", type=int, default=1500)
+    ap.add_argument("--system-tokens", type=int, default=1000,
+                    help="each session's system prompt (instructions + tool schemas: >= ~900)")
     args = ap.parse_args()
-    work, sessions, base = build_sessions(args, "agent-capacity-")
+    work, sessions, base = build_sessions(args, "agent-capacity-", "--system-tokens",
+                                          str(args.system_tokens))  # fmt: skip
     budget = budget_tokens(sessions, args.holds, args.max_tokens, args.system_tokens)
     base[base.index("--max-total-tokens") + 1] = str(budget)
     runs = {name: run_config(name, d, base, sessions, work, args) for name, d in CONFIGS.items()}

@@ -67,15 +67,17 @@ def session_args(doc: str, out: str) -> argparse.ArgumentParser:
     return ap
 
 
-def build_sessions(args: argparse.Namespace, prefix: str) -> tuple[Path, Path, list[str]]:
-    """(work dir, sessions.jsonl, base server args) for the embedded model."""
+def build_sessions(args: argparse.Namespace, prefix: str,
+                   *workload: str) -> tuple[Path, Path, list[str]]:  # fmt: skip
+    """(work dir, sessions.jsonl, base server args) for the embedded model; ``workload``: more
+    ``scripts/agentic_workload.py`` options."""
     model = ensure_default_model()
     work = Path(tempfile.mkdtemp(prefix=prefix))
     sessions = work / "sessions.jsonl"
     subprocess.run([sys.executable, str(REPO / "scripts/agentic_workload.py"), "--sessions",
                     str(args.sessions), "--turns", str(args.turns), "--answer-tokens",
                     str(args.max_tokens), "--tokenizer", str(model / "tokenizer.json"),
-                    "-o", str(sessions)], check=True)  # fmt: skip
+                    *workload, "-o", str(sessions)], check=True)  # fmt: skip
     base = ["--model-path", str(model), "--max-total-tokens", "32768", "--enable-cache-report"]
     return work, sessions, base
 
