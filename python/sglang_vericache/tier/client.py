@@ -31,7 +31,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -42,6 +41,7 @@ from sglang_vericache.tier.auth import ClientSession
 from sglang_vericache.tier.base import TaskId, TaskKind, TaskStatus, check_batch, prefix_closed
 from sglang_vericache.tier.geometry import KVGeometry
 from sglang_vericache.tier.keys import ChunkKey
+from sglang_vericache.tier.outbox import ClientTask, plan_sends
 from sglang_vericache.tier.protocol import (
     EPOCH_BYTES,
     MAX_HEADER_BYTES,
@@ -72,23 +72,7 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview(tensor.view(torch.uint8).reshape(-1).numpy())
 
 
-@dataclass(eq=False)
-class _Task:
-    task_id: TaskId
-    kind: TaskKind
-    keys: list[ChunkKey]
-    tensors: list[torch.Tensor]
-    deadline: float
-    connect_deadline: float
-    sent: bool = False
-    cancelled: bool = False
-    frames: list[Any] | None = None  # built once (checksums), resent while unconnected
-    signed_at: float = 0.0           # when ``frames`` were signed (re-signed when stale)
-    epoch: bytes | None = None       # the epoch in the server's authenticated reply
-    copy_lock: threading.Lock = field(default_factory=threading.Lock)
-
-
-class ZmqTier(TaskTableTier[_Task]):
+class ZmqTier(TaskTableTier[ClientTask]):
     """Client of one zmq KV server at ``endpoint`` ("tcp://HOST:PORT"). Thread-safe.
 
     timeout_s: a request without a reply after this long fails.
@@ -113,7 +97,7 @@ class ZmqTier(TaskTableTier[_Task]):
         self.secret_source = secret.source
         self._session = ClientSession(secret.value)
         self._ns = geometry.namespace()
-        self._inbox: deque[_Task] = deque()
+        self._inbox: deque[ClientTask] = deque()
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
         for opt, value in ((zmq.LINGER, 0), (zmq.IMMEDIATE, 1), (zmq.SNDHWM, 0),
@@ -159,7 +143,7 @@ class ZmqTier(TaskTableTier[_Task]):
                 raise RuntimeError("ZmqTier is closed")
             task_id = TaskId(self._next_id)
             self._next_id += 1
-            task = _Task(task_id, kind, list(keys), list(tensors), now + self.timeout_s,
+            task = ClientTask(task_id, kind, list(keys), list(tensors), now + self.timeout_s,
                          now + self.connect_timeout_s)
             self._tasks[task_id] = task
             self._inbox.append(task)
@@ -173,11 +157,11 @@ class ZmqTier(TaskTableTier[_Task]):
         except BlockingIOError:
             pass
 
-    def _log_failure(self, task: _Task, error: str | None) -> None:
+    def _log_failure(self, task: ClientTask, error: str | None) -> None:
         logger.warning("%s task %d to %s failed: %s", task.kind.value, task.task_id,
                        self.endpoint, error)
 
-    def _fail(self, task: _Task, error: str, counter: str) -> None:
+    def _fail(self, task: ClientTask, error: str, counter: str) -> None:
         self._count(counter)
         self._finish(task, TaskStatus.FAILED, [False] * len(task.keys), error=error)
 
@@ -187,7 +171,7 @@ class ZmqTier(TaskTableTier[_Task]):
         poller.register(self._sock, zmq.POLLIN)
         poller.register(self._monitor, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
-        outbox: deque[_Task] = deque()
+        outbox: deque[ClientTask] = deque()
         try:
             while not self._closed:
                 timeout_ms = 5 if outbox else 50
@@ -217,26 +201,38 @@ class ZmqTier(TaskTableTier[_Task]):
             self._sock.close(linger=0)
             self._ctx.term()
 
-    def _send_outbox(self, outbox: deque[_Task]) -> None:
-        while outbox:
-            task = outbox[0]
-            if task.cancelled or task.task_id not in self._tasks:
-                outbox.popleft()
-                continue
-            if task.frames is None or time.monotonic() - task.signed_at > _RESIGN_AFTER_S:
-                # a server that starts later refuses requests signed long before it started
-                task.frames, task.signed_at = self._request_frames(task), time.monotonic()
-            frames = task.frames
-            try:
-                self._sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
-            except zmq.Again:  # no server connected (IMMEDIATE): retry until connect deadline
-                return
-            outbox.popleft()
-            task.sent = True
-            task.frames = None
-            self._count("bytes_sent", sum(memoryview(f).nbytes for f in frames))
+    def _send_outbox(self, outbox: deque[ClientTask]) -> None:
+        """Reads ahead of write-throughs, a window of puts on the wire (``send_order.py``)."""
+        live = [t for t in outbox if not t.cancelled and t.task_id in self._tasks]
+        plan = plan_sends(live, self._puts_unanswered())
+        now = time.monotonic()
+        for task in plan.held:
+            task.hold(now, self.timeout_s, self.connect_timeout_s)
+        sent = 0
+        while sent < len(plan.send) and self._send_task(plan.send[sent]):
+            sent += 1  # stops where no server is connected: the rest stays, in order
+        outbox.clear()
+        outbox.extend(plan.send[sent:] + plan.held)
 
-    def _request_frames(self, task: _Task) -> list[Any]:
+    def _send_task(self, task: ClientTask) -> bool:
+        if task.frames is None or time.monotonic() - task.signed_at > _RESIGN_AFTER_S:
+            # a server that starts later refuses requests signed long before it started
+            task.frames, task.signed_at = self._request_frames(task), time.monotonic()
+        frames = task.frames
+        try:
+            self._sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+        except zmq.Again:  # no server connected (IMMEDIATE): retry until connect deadline
+            return False
+        task.sent = True
+        task.frames = None
+        self._count("bytes_sent", sum(memoryview(f).nbytes for f in frames))
+        return True
+
+    def _puts_unanswered(self) -> int:
+        with self._lock:
+            return sum(1 for t in self._tasks.values() if t.kind is TaskKind.PUT and t.sent)
+
+    def _request_frames(self, task: ClientTask) -> list[Any]:
         header: dict[str, Any] = {"v": PROTOCOL_VERSION, "id": int(task.task_id)}
         payload: list[memoryview] = []
         if task.kind is TaskKind.PUT:
@@ -330,7 +326,7 @@ class ZmqTier(TaskTableTier[_Task]):
         except ProtocolError as exc:
             self._fail(task, f"bad reply: {exc}", "protocol_errors")
 
-    def _on_put(self, task: _Task, header: dict[str, Any]) -> None:
+    def _on_put(self, task: ClientTask, header: dict[str, Any]) -> None:
         status = require(header, "status", list)
         if len(status) != len(task.keys):
             raise ProtocolError("put status count mismatch")
@@ -344,7 +340,7 @@ class ZmqTier(TaskTableTier[_Task]):
         self._finish(task, TaskStatus.DONE, ok, nbytes=nbytes, epoch=task.epoch,
                      error=f"rejected: {sorted(set(rejected))}" if rejected else None)
 
-    def _on_lookup(self, task: _Task, header: dict[str, Any]) -> None:
+    def _on_lookup(self, task: ClientTask, header: dict[str, Any]) -> None:
         present = require(header, "present", list)
         if len(present) != len(task.keys):
             raise ProtocolError("lookup reply count mismatch")
@@ -352,7 +348,7 @@ class ZmqTier(TaskTableTier[_Task]):
         self._finish(task, TaskStatus.DONE, ok, epoch=task.epoch,
                      error=None if all(ok) else f"{sum(ok)}/{len(ok)} chunks stored")
 
-    def _on_fetch(self, task: _Task, header: dict[str, Any], payload: list[memoryview]) -> None:
+    def _on_fetch(self, task: ClientTask, header: dict[str, Any], payload: list[memoryview]) -> None:
         items = require(header, "items", list)
         if len(items) != len(payload) or len(items) > len(task.keys):
             raise ProtocolError("get reply item/frame count mismatch")
