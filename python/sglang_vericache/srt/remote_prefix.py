@@ -196,7 +196,12 @@ class RemotePrefixLink:
         if n_full == 0:
             return 0
         keys = chunk_keys(self.geometry, list(tokens[: n_full * self.chunk]))
-        first_new = next((i for i, k in enumerate(keys) if k.digest not in self._stored), n_full)
+        # Sequences finishing together share prefixes (an agent fleet's system prompt): a
+        # chunk another write-through is storing is not sent again.
+        writing = {key.digest for put_keys, _ in self._puts.values() for key in put_keys}
+        first_new = next((i for i, k in enumerate(keys)
+                          if k.digest not in self._stored and k.digest not in writing), n_full)
+        self.counters.chunks_already_writing += sum(k.digest in writing for k in keys[:first_new])
         if first_new == n_full:
             return 0
         nbytes = (n_full - first_new) * self.geometry.chunk_nbytes(self.chunk)
@@ -218,7 +223,6 @@ class RemotePrefixLink:
         ttl = self.bounds.forget_unprobed_after_s
         for rid in [r for r, s in self.pending.items() if now - s.probed > ttl]:
             self.forget(rid)
-        self._expire_overdue_lookups(now)
         by_task = {s.task: (rid, s) for rid, s in self.pending.items() if s.task is not None}
         for task_id, result in self.tier.poll().items():
             if result.status is not TaskStatus.CANCELLED:
@@ -258,6 +262,9 @@ class RemotePrefixLink:
                 state.keys = state.keys[:n_ok]
                 self.fetches.want(rid, state.keys)
                 state.phase, state.fetch_started = "fetch", time.monotonic()
+        # Only after the answers that have come: a scheduler busy with a long prefill polls
+        # late, and a lookup answered meanwhile was not the tier's delay.
+        self._expire_overdue_lookups(now)
         self._settle_fetches()
 
     def _finish_fetch(self, task_id: TaskId, result) -> None:

@@ -52,6 +52,7 @@ class RemoteCounters:
     fetches_skipped_slower: int = 0  # recomputing was predicted faster than fetching
     puts: int = 0
     put_failures: int = 0
+    chunks_already_writing: int = 0  # chunks a concurrent write-through was storing already
 
     def as_dict(self) -> dict[str, int]:
         return {name: getattr(self, name) for name in self.__slots__}

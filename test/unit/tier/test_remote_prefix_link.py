@@ -326,3 +326,35 @@ def test_new_model_identity_reopens_the_tier_with_new_keys() -> None:
     assert _settle(link, "after", tokens + [1], 0) == 0  # the old model's KV is not a hit
     assert link.write_through(tokens, read) == 3  # stored again under the new identity
     assert _settle(link, "again", tokens + [1], 0) == 3 * C
+
+
+def test_sequences_finishing_together_write_their_shared_prefix_once() -> None:
+    """An agent fleet's turns share a system prompt: while one write-through is storing its
+    chunks, another sequence that starts with them sends only its own."""
+    with ServerProcess("--bandwidth-mbps", "0.01") as server:  # ~0.1 s per 1 KiB chunk ack
+        link = RemotePrefixLink(ZmqTier(server.endpoint, TINY, timeout_s=20))
+        system = list(range(1000, 1000 + 2 * C))
+        a, b = system + list(range(C)), system + list(range(50, 50 + C))  # 3 chunks each
+
+        def read(start: int, end: int) -> torch.Tensor:
+            return _sequence_kv(end)[..., start:end, :]
+
+        assert link.write_through(a, read) == 3
+        assert link.write_through(b, read) == 1  # its first two chunks are being written
+        assert link.counters.chunks_already_writing == 2
+        assert _settle(link, "b", b + [7], 0, timeout=15) == 3 * C  # and all of b is stored
+        link.close()
+
+
+def test_a_lookup_answered_while_the_scheduler_was_busy_is_not_overdue() -> None:
+    """The scheduler thread polls between forwards; a prefill can take longer than the lookup
+    deadline. An answer that came meanwhile is used, and the tier does not count as down."""
+    link = RemotePrefixLink(HostTier(TINY, capacity_bytes=1 << 20),
+                            bounds=LinkBounds(lookup_deadline_s=0.05))  # fmt: skip
+    tokens = list(range(500, 500 + 3 * C))
+    link.write_through(tokens, lambda s, e: _sequence_kv(e)[..., s:e, :])
+    link.poll()
+    assert link.probe("r", tokens + [1], 0) == 3 * C  # lookup submitted
+    time.sleep(0.1)  # a long prefill: the answer is there, unread, past the deadline
+    assert _settle(link, "r", tokens + [1], 0) == 3 * C
+    assert link.counters.overdue_lookups == 0 and link.tier_up
