@@ -64,8 +64,21 @@ def replay(url: str, sessions: Path, out: Path, args: argparse.Namespace) -> dic
 
 def run_config(name: str, drafting: str | None, base: list[str], sessions: Path, work: Path,
                args: argparse.Namespace) -> dict:  # fmt: skip
+    """One configuration's replay (with its server's counters and the KV server's stats),
+    saved as ``{slug}.result.json`` in ``work``, or taken from ``--reuse``'s directory."""
     slug = name.replace(",", "").replace(" ", "-")
+    done = args.reuse / f"{slug}.result.json" if args.reuse else None
+    if done is not None and done.exists():
+        print(f"=== {name}: reusing {done} ===", flush=True)
+        return json.loads(done.read_text())
     print(f"\n=== {name} ===", flush=True)
+    result = _run(drafting, base, sessions, work, slug, args)
+    (work / f"{slug}.result.json").write_text(json.dumps(result) + "\n")
+    return result
+
+
+def _run(drafting: str | None, base: list[str], sessions: Path, work: Path, slug: str,
+         args: argparse.Namespace) -> dict:  # fmt: skip
     if drafting is None:
         with SGLangServer(base, log_path=work / f"{slug}.log") as server:
             return replay(server.url, sessions, work / f"{slug}.json", args)
@@ -117,7 +130,8 @@ def markdown(report: dict) -> str:
     lines = [f"{report['sessions']} agent sessions at once x {report['turns']} turns, "
              f"{report['max_tokens']} tokens per answer, {report['think_s']:g} s between turns; "
              f"`--max-total-tokens {report['max_total_tokens']}` (the final prefixes of "
-             f"{report['holds']} sessions); KV server throttled to "
+             f"{report['holds']} sessions, each counted with the system prompt the fleet "
+             f"shares); KV server throttled to "
              f"{report['bandwidth_mb_s']:g} MB/s; compressor `{report['compressor']}`.", "",
              "| | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]  # fmt: skip
 
@@ -156,11 +170,17 @@ def main() -> None:
     ap.add_argument("--compressor", default="snapkv:ratio=0.25")
     ap.add_argument("--system-tokens", type=int, default=1000,
                     help="each session's system prompt (instructions + tool schemas: >= ~900)")
+    ap.add_argument("--reuse", type=Path, default=None,
+                    help="a previous run's directory: configurations it finished are not rerun "
+                    "(the workload is seeded, so its sessions are these)")
     args = ap.parse_args()
     work, sessions, base = build_sessions(args, "agent-capacity-", "--system-tokens",
                                           str(args.system_tokens))  # fmt: skip
+    if args.reuse and (args.reuse / "sessions.jsonl").read_bytes() != sessions.read_bytes():
+        raise SystemExit(f"--reuse {args.reuse}: its sessions differ from these (other options?)")
     budget = budget_tokens(sessions, args.holds, args.max_tokens, args.system_tokens)
     base[base.index("--max-total-tokens") + 1] = str(budget)
+    base.append("--enable-metrics")  # the VeriCache counters; on every server, for parity
     runs = {name: run_config(name, d, base, sessions, work, args) for name, d in CONFIGS.items()}
     report = summarize(runs, budget, args)
     args.out.parent.mkdir(parents=True, exist_ok=True)
