@@ -144,7 +144,7 @@ class ZmqTier(TaskTableTier[ClientTask]):
             task_id = TaskId(self._next_id)
             self._next_id += 1
             task = ClientTask(task_id, kind, list(keys), list(tensors), now + self.timeout_s,
-                         now + self.connect_timeout_s)
+                              now + self.connect_timeout_s)
             self._tasks[task_id] = task
             self._inbox.append(task)
             self._counters["submitted"] += 1
@@ -202,7 +202,7 @@ class ZmqTier(TaskTableTier[ClientTask]):
             self._ctx.term()
 
     def _send_outbox(self, outbox: deque[ClientTask]) -> None:
-        """Reads ahead of write-throughs, a window of puts on the wire (``send_order.py``)."""
+        """Reads ahead of write-throughs, a window of puts on the wire (``outbox.py``)."""
         live = [t for t in outbox if not t.cancelled and t.task_id in self._tasks]
         plan = plan_sends(live, self._puts_unanswered())
         now = time.monotonic()
