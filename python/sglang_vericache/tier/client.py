@@ -143,8 +143,9 @@ class ZmqTier(TaskTableTier[ClientTask]):
                 raise RuntimeError("ZmqTier is closed")
             task_id = TaskId(self._next_id)
             self._next_id += 1
-            task = ClientTask(task_id, kind, list(keys), list(tensors), now + self.timeout_s,
-                              now + self.connect_timeout_s)
+            task = ClientTask(task_id, kind, list(keys), list(tensors),
+                              deadline=now + self.timeout_s,
+                              connect_deadline=now + self.connect_timeout_s)
             self._tasks[task_id] = task
             self._inbox.append(task)
             self._counters["submitted"] += 1
@@ -348,7 +349,8 @@ class ZmqTier(TaskTableTier[ClientTask]):
         self._finish(task, TaskStatus.DONE, ok, epoch=task.epoch,
                      error=None if all(ok) else f"{sum(ok)}/{len(ok)} chunks stored")
 
-    def _on_fetch(self, task: ClientTask, header: dict[str, Any], payload: list[memoryview]) -> None:
+    def _on_fetch(self, task: ClientTask, header: dict[str, Any],
+                  payload: list[memoryview]) -> None:  # fmt: skip
         items = require(header, "items", list)
         if len(items) != len(payload) or len(items) > len(task.keys):
             raise ProtocolError("get reply item/frame count mismatch")

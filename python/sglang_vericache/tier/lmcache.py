@@ -35,7 +35,6 @@ import threading
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
@@ -50,7 +49,7 @@ from sglang_vericache.tier.protocol import (
     NAMESPACE_BYTES,
     layer_checksums,
 )
-from sglang_vericache.tier.task_table import TaskTableTier
+from sglang_vericache.tier.task_table import TaskTableTier, TrackedTask
 
 logger = logging.getLogger("sglang_vericache.tier.lmcache")
 
@@ -95,17 +94,7 @@ def manifest_nbytes(num_layers: int) -> int:
     return len(_MAGIC) + NAMESPACE_BYTES + KEY_BYTES + 8 + CHECKSUM_BYTES * num_layers
 
 
-@dataclass(eq=False)
-class _Task:
-    task_id: TaskId
-    kind: TaskKind
-    keys: list[ChunkKey]
-    tensors: list[torch.Tensor]
-    cancelled: bool = False
-    copy_lock: threading.Lock = field(default_factory=threading.Lock)
-
-
-class LMCacheTier(TaskTableTier[_Task]):
+class LMCacheTier(TaskTableTier[TrackedTask]):
     """Full-KV tier on ``lmcache server`` at HOST:PORT (engine-driven mode). Thread-safe.
     Construction never contacts the server; registration happens on the I/O thread, and
     a server that is down or incompatible turns into FAILED tasks (logged, counted)."""
@@ -130,7 +119,7 @@ class LMCacheTier(TaskTableTier[_Task]):
         shape = (2, 2, g.chunk_tokens, g.num_kv_heads, g.head_dim)
         self._staging = {f"layer.{i}": torch.zeros(shape, dtype=g.torch_dtype)
                          for i in range(g.num_layers + 1)}
-        self._queue: queue.Queue[_Task | None] = queue.Queue()
+        self._queue: queue.Queue[TrackedTask | None] = queue.Queue()
         self._client: Any = None
         self._transfer: Any = None
         self._zmq_ctx: Any = None
@@ -155,14 +144,14 @@ class LMCacheTier(TaskTableTier[_Task]):
         with self._lock:
             if self._closed:
                 raise RuntimeError("LMCacheTier is closed")
-            task = _Task(TaskId(self._next_id), kind, list(keys), list(tensors))
+            task = TrackedTask(TaskId(self._next_id), kind, list(keys), list(tensors))
             self._next_id += 1
             self._tasks[task.task_id] = task
             self._counters["submitted"] += 1
         self._queue.put(task)
         return task.task_id
 
-    def _log_failure(self, task: _Task, error: str | None) -> None:
+    def _log_failure(self, task: TrackedTask, error: str | None) -> None:
         logger.warning("lmcache %s task %d failed: %s", task.kind.value, task.task_id, error)
 
     # -- I/O thread ------------------------------------------------------------------------------
@@ -245,7 +234,7 @@ class LMCacheTier(TaskTableTier[_Task]):
         except Exception as exc:  # noqa: BLE001 - cleanup only; locks also expire on the server
             logger.info("lmcache session cleanup failed: %s", exc)
 
-    def _do_lookup(self, task: _Task) -> None:
+    def _do_lookup(self, task: TrackedTask) -> None:
         ok: list[bool] = []
         for key in task.keys:
             request_id = uuid.uuid4().hex
@@ -257,7 +246,7 @@ class LMCacheTier(TaskTableTier[_Task]):
         ok += [False] * (len(task.keys) - len(ok))
         self._finish(task, TaskStatus.DONE, ok, None if all(ok) else "partial hit")
 
-    def _do_put(self, task: _Task) -> None:
+    def _do_put(self, task: TrackedTask) -> None:
         ok: list[bool] = []
         g = self.geometry
         for key, chunk in zip(task.keys, task.tensors):
@@ -284,7 +273,7 @@ class LMCacheTier(TaskTableTier[_Task]):
         self._finish(task, TaskStatus.DONE, ok, None if all(ok) else "lmcache refused a store",
                      nbytes=sum(c.nbytes for c, f in zip(task.tensors, ok) if f))
 
-    def _do_fetch(self, task: _Task) -> None:
+    def _do_fetch(self, task: TrackedTask) -> None:
         ok: list[bool] = []
         error: str | None = None
         for key, dst in zip(task.keys, task.tensors):

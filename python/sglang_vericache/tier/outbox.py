@@ -16,35 +16,26 @@ cheaper than waiting past a deadline that would make the tier count as down.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-import torch
-
-from sglang_vericache.tier.base import TaskId, TaskKind
-from sglang_vericache.tier.keys import ChunkKey
+from sglang_vericache.tier.base import TaskKind
+from sglang_vericache.tier.task_table import TrackedTask
 
 PUTS_ON_THE_WIRE = 2  # unanswered puts at once: the link stays busy, a lookup waits for two
 
 
-@dataclass(eq=False)
-class ClientTask:
-    """One request of ``ZmqTier``: what it carries, its deadlines and its wire state."""
+@dataclass(eq=False, kw_only=True)
+class ClientTask(TrackedTask):
+    """One request of ``ZmqTier``: the table's record plus its deadlines and wire state."""
 
-    task_id: TaskId
-    kind: TaskKind
-    keys: list[ChunkKey]
-    tensors: list[torch.Tensor]
     deadline: float  # no reply by then: failed
     connect_deadline: float  # not sent by then (no server): failed
     sent: bool = False
-    cancelled: bool = False
     frames: list[Any] | None = None  # built once (checksums), resent while unconnected
     signed_at: float = 0.0           # when ``frames`` were signed (re-signed when stale)
     epoch: bytes | None = None       # the epoch in the server's authenticated reply
-    copy_lock: threading.Lock = field(default_factory=threading.Lock)
 
     def hold(self, now: float, timeout_s: float, connect_timeout_s: float) -> None:
         """Held back by its own client, it is not late: its deadlines count from now (the
@@ -67,7 +58,9 @@ def plan_sends(queued: Sequence[ClientTask], puts_unanswered: int,
     puts = [t for t in queued if t.kind is TaskKind.PUT]
     room = max(0, window - puts_unanswered)
     sending = {key.digest for task in puts[:room] for key in task.keys}
-    reads = [t for t in queued if t.kind is not TaskKind.PUT]
-    after = [t for t in reads if not sending.isdisjoint(k.digest for k in t.keys)]
-    first = [t for t in reads if all(t is not a for a in after)]
+    first: list[ClientTask] = []
+    after: list[ClientTask] = []  # reads of a key a put being sent carries
+    for task in queued:
+        if task.kind is not TaskKind.PUT:
+            (first if sending.isdisjoint(k.digest for k in task.keys) else after).append(task)
     return SendPlan(first + puts[:room] + after, puts[room:])

@@ -14,7 +14,8 @@ from __future__ import annotations
 import threading
 from abc import abstractmethod
 from collections.abc import Sequence
-from typing import Generic, Protocol, TypeVar
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
 
 import torch
 
@@ -30,14 +31,18 @@ from sglang_vericache.tier.base import (
 from sglang_vericache.tier.keys import ChunkKey
 
 
-class TrackedTask(Protocol):
-    """What the table needs of a subclass's task record."""
+@dataclass(eq=False)
+class TrackedTask:
+    """One task in the table: what it carries and whether it was cancelled (LMCacheTier's
+    record as it is; ZmqTier's adds its deadlines and wire state, ``outbox.ClientTask``)."""
 
     task_id: TaskId
     kind: TaskKind
     keys: list[ChunkKey]
-    cancelled: bool
-    copy_lock: threading.Lock  # held while chunks are copied into the caller's tensors
+    tensors: list[torch.Tensor]  # put: the chunks to store; fetch: where they land
+    cancelled: bool = False
+    # held while chunks are copied into the caller's tensors
+    copy_lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 T = TypeVar("T", bound=TrackedTask)

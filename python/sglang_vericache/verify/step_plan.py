@@ -111,7 +111,6 @@ class StepPlanner:
             return StepDecision(x if drafting else 0, "drafting pays" if drafting else PLAIN_FASTER,
                                 plain_rate, draft_rate)  # fmt: skip
         self._explored_against = drafting  # keep the losing mode's fit fresh, as cheaply as can be
-        self.next_exploration = self.decisions + self.config.explore_max + 1  # until reviewed
         x = 0 if drafting else self._cap(rows, self.min_drafts)
         return StepDecision(x, "exploring", plain_rate, draft_rate)
 

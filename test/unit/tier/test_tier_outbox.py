@@ -15,7 +15,8 @@ from tier_testlib import TINY, Results, ServerProcess
 
 
 def _task(n: int, kind: TaskKind, tokens: range) -> ClientTask:
-    return ClientTask(TaskId(n), kind, chunk_keys(TINY, list(tokens)), [], 10.0, 1.0)
+    return ClientTask(TaskId(n), kind, chunk_keys(TINY, list(tokens)), [], deadline=10.0,
+                      connect_deadline=1.0)
 
 
 def test_reads_go_first_puts_keep_a_window_and_a_read_follows_the_put_it_needs() -> None:
