@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -34,6 +33,7 @@ sys.path.insert(0, str(REPO / "benchmark"))
 
 from agentic_tool_calls import vericache_counters  # noqa: E402
 from remote_prefix import build_sessions, session_args  # noqa: E402
+from remote_prefix import replay as replay_sessions  # noqa: E402
 
 from sglang_vericache.exactness.server import SGLangServer  # noqa: E402
 from sglang_vericache.exactness.tier_server import ServerProcess  # noqa: E402
@@ -55,11 +55,9 @@ def budget_tokens(sessions: Path, holds: int, answer_tokens: int, system_tokens:
 
 
 def replay(url: str, sessions: Path, out: Path, args: argparse.Namespace) -> dict:
-    cmd = [sys.executable, str(REPO / "scripts/replay_agentic.py"), str(sessions), "--url", url,
-           "--max-tokens", str(args.max_tokens), "--ignore-eos", "--think-s", str(args.think_s),
-           "--concurrency", str(args.sessions), "--timeout", "3600", "-o", str(out)]  # fmt: skip
-    subprocess.run(cmd, check=True)
-    return json.loads(out.read_text())
+    """Every session at once (each waits long: the budget holds a few at a time)."""
+    return replay_sessions([url], sessions, out, args, "--concurrency", str(args.sessions),
+                           "--timeout", "3600")  # fmt: skip
 
 
 def run_config(name: str, drafting: str | None, base: list[str], sessions: Path, work: Path,

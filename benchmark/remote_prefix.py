@@ -35,10 +35,12 @@ from sglang_vericache.models import ensure_default_model  # noqa: E402
 from sglang_vericache.exactness.tier_server import ServerProcess  # noqa: E402
 
 
-def replay(urls: list[str], sessions: Path, out: Path, args: argparse.Namespace) -> dict:
+def replay(urls: list[str], sessions: Path, out: Path, args: argparse.Namespace,
+           *options: str) -> dict:  # fmt: skip
+    """``scripts/replay_agentic.py`` over ``urls`` (``options``: more of its flags)."""
     cmd = [sys.executable, str(REPO / "scripts/replay_agentic.py"), str(sessions), "--url", *urls,
            "--max-tokens", str(args.max_tokens), "--ignore-eos", "--think-s", str(args.think_s),
-           "-o", str(out)]  # fmt: skip
+           *options, "-o", str(out)]  # fmt: skip
     subprocess.run(cmd, check=True)
     return json.loads(out.read_text())
 
