@@ -281,3 +281,37 @@ def test_frontend_program_with_fork_matches_plain(kivi_server, plain_server) -> 
     got = _frontend_program(kivi_server.url)
     assert got == _frontend_program(plain_server.url)
     assert all(got.values())  # every gen produced text
+
+
+def test_a_decoding_requests_prompt_is_a_hit_for_requests_that_share_it(
+    kivi_server, plain_server, prompts
+) -> None:
+    """An agent fleet's system prompt: while the first request decodes (its full KV moved to its
+    host buffer after prefill), a second request sharing the prompt reuses the prompt's device
+    KV instead of recomputing it, and answers as plain SGLang does."""
+    import threading
+    import time
+
+    shared = "Briefing shared by every agent of the fleet.\n\n" + prompts[1].text
+    first = {"text": shared, "stream": True,
+             "sampling_params": {"temperature": 0, "max_new_tokens": 160, "ignore_eos": True}}
+    stamps: list[tuple[float, dict]] = []
+    started = threading.Event()
+
+    def consume() -> None:
+        for event in _sse(kivi_server.url + "/generate", first):
+            stamps.append((time.monotonic(), event))
+            started.set()
+
+    reader = threading.Thread(target=consume)
+    reader.start()
+    assert started.wait(600), "the first request never streamed a token"
+    second = {"text": shared + "\n\nName the topic in three words.",
+              "sampling_params": {"temperature": 0, "max_new_tokens": 8}}
+    got = http_json(kivi_server.url + "/generate", second)
+    answered = time.monotonic()
+    reader.join(600)
+    assert stamps[-1][0] > answered, "the first request finished first: nothing was shared live"
+    shared_tokens = stamps[-1][1]["meta_info"]["prompt_tokens"]
+    assert got["meta_info"]["cached_tokens"] >= shared_tokens - 1, (got["meta_info"], shared_tokens)
+    assert got["output_ids"] == http_json(plain_server.url + "/generate", second)["output_ids"]

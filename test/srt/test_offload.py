@@ -183,3 +183,94 @@ def test_a_range_spanning_pool_host_and_tail_reads_exactly() -> None:
         read = off.range_reader(3, start, end)
         for layer in range(LAYERS):
             assert torch.equal(torch.stack(read(layer)), before[layer][:, :, start:end])
+
+
+def _prompt_req(tokens: list[int]):
+    """What ``VeriCacheRadixCache.adopt`` reads of a scheduler request (the fields SGLang's own
+    ``checkpoint`` reads for the key)."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(full_untruncated_fill_ids=tokens, extra_key=None, cache_salt=None,
+                           priority=None, kv=SimpleNamespace(cache_inserted_len=0))  # fmt: skip
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_an_offloaded_prompt_stays_in_the_tree_as_an_evictable_hit(page_size: int) -> None:
+    """A drafted request's prompt moves to the host, and the prefix tree keeps its pool slots:
+    a request sharing the prompt hits them while the first decodes from its host copy; a
+    duplicate prompt's slots are freed; eviction frees the rest; nothing leaks."""
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+
+    from sglang_vericache.srt.offloader import PoolOffloader
+    from sglang_vericache.srt.radix_cache import VeriCacheRadixCache
+
+    kv, rows, alloc = _pools(page_size)
+    tree = VeriCacheRadixCache(CacheInitParams(disable=False, req_to_token_pool=rows,
+                                               token_to_kv_pool_allocator=alloc,
+                                               page_size=page_size), LAYERS, verify_width=5)  # fmt: skip
+    worker = PoolOffloader(kv, rows, alloc, LAYERS)  # the worker's: same ledger as the tree's
+    total = alloc.available_size()
+    prompt = list(range(1000, 1100))
+    a_slots = _fill_row(rows, alloc, 0, 100)
+    before = _full_kv(worker, 0, 100)
+    assert worker.offload(0, 0, 100, 0, req=_prompt_req(prompt)).moved == 100
+    for x, y in zip(before, _full_kv(worker, 0, 100)):
+        assert torch.equal(x, y)  # the request reads its host copy, exactly
+    hit = _tree_slots(tree, prompt)
+    assert torch.equal(hit, a_slots.to(hit.dtype))
+    assert tree.evictable_size() == 100 and tree.protected_size() == 0  # cached, not locked
+
+    # a second request matched 60 of them, then diverged: its own part becomes a branch
+    other = prompt[:60] + list(range(2000, 2040))
+    rows.req_to_token[1, :60] = hit[:60].to(torch.int32)
+    b_own = _fill_row_from(rows, alloc, 1, 60, 100)
+    worker.offload(1, 60, 100, 0, req=_prompt_req(other))
+    got = _tree_slots(tree, other)
+    assert torch.equal(got[60:], b_own.to(got.dtype))
+
+    # a third request computed the same prompt again: the tree keeps its copy, frees this one
+    free = alloc.available_size()
+    _fill_row(rows, alloc, 2, 100)
+    worker.offload(2, 0, 100, 0, req=_prompt_req(prompt))
+    assert alloc.available_size() == free  # all of it was a duplicate
+    assert tree.evictable_size() == 100 + 40
+
+    for row in (0, 1, 2):  # the requests leave; the tree keeps what it adopted
+        worker.drop(row)
+    assert tree.evictable_size() == 140
+    tree.evict(EvictParams(num_tokens=SLOTS))
+    assert alloc.available_size() == total and tree.evictable_size() == 0
+
+
+def _fill_row_from(rows, alloc, row: int, start: int, end: int) -> torch.Tensor:
+    slots = alloc.alloc(end - start)
+    rows.req_to_token[row, start:end] = slots.to(torch.int32)
+    return slots
+
+
+def _tree_slots(tree, tokens: list[int]) -> torch.Tensor:
+    """Pool slots of the longest prefix of ``tokens`` the tree holds: [n] int64."""
+    from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+
+    node = tree.match_prefix(MatchPrefixParams(key=RadixKey(tokens))).last_device_node
+    return tree.path_device_indices(node)
+
+
+def test_restore_points_at_the_slots_the_tree_holds_and_copies_only_the_rest() -> None:
+    """A finished row whose prompt the tree adopted comes back without copying the prompt."""
+    from sglang_vericache.srt.offloader import PoolOffloader
+
+    kv, rows, alloc = _pools(1)
+    off = PoolOffloader(kv, rows, alloc, LAYERS)
+    slots = _fill_row(rows, alloc, 0, 90)
+    before = _full_kv(off, 0, 90)
+    off.ledger.publish = lambda req, prefix, moved: moved[50:]  # a tree that keeps 50 of them
+    off.offload(0, 0, 90, 0, req=object())
+    free = alloc.available_size()
+    assert off.restore(0, evict=lambda n: None, held=slots[:50])
+    assert alloc.available_size() == free - 40  # only positions 50..89 came back as copies
+    assert torch.equal(rows.req_to_token[0, :50].to(torch.int64), slots[:50].to(torch.int64))
+    for a, b in zip(before, _full_kv(off, 0, 90)):
+        assert torch.equal(a, b)

@@ -12,7 +12,9 @@ placeholder there. What stays in the device pool per request::
 
 Attention reads [lo, hi) from the host buffer (``OffloadLedger.read``): for verification and for
 a plain decode step, never for drafting (drafts read the compressed view). Freed slots go back
-to SGLang's allocator at once, so the scheduler admits more requests into the same budget.
+to SGLang's allocator at once, so the scheduler admits more requests into the same budget;
+a prompt's slots go to the prefix tree instead (``OffloadLedger.publish``): evictable like any
+cached node, and a hit for the requests that share the prompt while this one decodes.
 
 Ownership: the ledger is shared by the worker (which offloads) and the ``vericache`` prefix
 cache (which restores or drops a row when SGLang releases it); both find it through the
@@ -127,6 +129,10 @@ class OffloadLedger:
         # Called with a request id when SGLang releases the request's KV (finished at prefill
         # or decode, aborted, retracted): the end of its life, which the worker needs too.
         self.release_listeners: list[Callable[[str], None]] = []
+        # (req, prefix slots [lo], moved slots [n]) -> the moved slots the prefix tree did not
+        # take: set by the ``vericache`` prefix cache (``VeriCacheRadixCache.adopt``), so a
+        # drafted request's prompt is a cache hit for others while it decodes from the host.
+        self.publish: Callable[[Any, Tensor, Tensor], Tensor] | None = None
 
     def request_released(self, rid: str) -> None:
         for listener in self.release_listeners:

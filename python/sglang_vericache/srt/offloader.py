@@ -81,21 +81,31 @@ class PoolOffloader:
         return lambda layer: self.ledger.read_range(self.pool, self.table, layer, row, start, end)
 
     def offload(self, row: int, owned_from: int, committed: int, compressed_bytes: int,
-                min_tokens: int = TAIL_CHUNK) -> OffloadResult:  # fmt: skip
+                min_tokens: int = TAIL_CHUNK, req: Any = None) -> OffloadResult:  # fmt: skip
         """Move positions [lo, floor_page(committed)) of ``row`` to the host.
 
         owned_from: first position the request owns (tree-owned positions before it stay);
         lo continues the row's host range. Moves nothing unless at least ``min_tokens`` are
         due. Then tops the row's reserved slots up to ``ceil(compressed_bytes / slot_bytes)``.
+
+        req: the row's request, where its moved slots may stay in the pool as prefix-tree nodes
+        instead of being freed (``OffloadLedger.publish``): a row's first offload, when it starts
+        at the tree-owned prefix. The request reads its host copy from then on; the tree's copy
+        is a cached node like any other (other requests hit it; eviction frees it).
         """
         entry = self.ledger.span(row)
+        first = entry is None
         lo = entry.hi if entry is not None else -(-owned_from // self.page) * self.page
         hi = committed // self.page * self.page
         if hi - lo < max(min_tokens, 1):
             return OffloadResult()
         slots = self.table[row, lo:hi].to(torch.int64)
+        prefix = self.table[row, :lo].to(torch.int64)
         entry = self.ledger.offload(row, lo, read_pool_all_layers(self.pool, slots, self.num_layers))
         self.table[row, lo:hi] = PLACEHOLDER_SLOT
+        publish = self.ledger.publish
+        if req is not None and publish is not None and first and lo == owned_from:
+            slots = publish(req, prefix, slots)  # the tree keeps the rest
         self.allocator.free(slots)
         self.ledger.freed_slots += hi - lo
         held = self._reserve(entry, compressed_bytes)
@@ -115,26 +125,33 @@ class PoolOffloader:
         entry.reserved = torch.cat([entry.reserved.to(got.device), got.to(torch.int64)])
         return extra
 
-    def restore(self, row: int, evict: Callable[[int], None]) -> bool:
-        """Bring ``row``'s host range back into fresh pool slots (for the prefix cache).
+    def restore(self, row: int, evict: Callable[[int], None], held: Tensor | None = None) -> bool:
+        """Bring ``row``'s host range back onto the device (for the prefix cache).
 
-        Frees the row's reserved slots first; ``evict(n)`` may free cached slots. Returns False
-        (row unchanged, still offloaded) when the pool cannot take it.
+        held: [k] pool slots of the range's first k positions that the prefix tree already
+        holds (its adopted prompt, usually), locked by the caller: the row points at them and
+        only the other positions are copied into fresh slots. Frees the row's reserved slots
+        first; ``evict(n)`` may free cached slots. Returns False (row unchanged, still
+        offloaded) when the pool cannot take the rest.
         """
         entry = self.ledger.span(row)
         if entry is None:
             return True
         self._free_reserved(entry)
-        n = entry.hi - entry.lo
-        slots = self.allocator.alloc(n)
+        k = 0 if held is None else int(held.numel())
+        n = entry.hi - entry.lo - k
+        slots = self.allocator.alloc(n) if n > 0 else torch.empty(0, dtype=torch.int64)
         if slots is None:
             evict(n)
             slots = self.allocator.alloc(n)
         if slots is None:
             return False
         slots = slots.to(torch.int64)
-        write_pool_all_layers(self.pool, slots, entry.host.restore())
-        self.table[row, entry.lo : entry.hi] = slots.to(self.table.dtype)
+        if n > 0:
+            write_pool_all_layers(self.pool, slots, entry.host.restore()[..., k:, :])
+        if k:
+            self.table[row, entry.lo : entry.lo + k] = held.to(self.table.dtype)
+        self.table[row, entry.lo + k : entry.hi] = slots.to(self.table.dtype)
         self.ledger.release(row)
         return True
 

@@ -3,9 +3,13 @@
 ``--vericache`` selects it (``--radix-cache-backend vericache``). It differs from ``RadixCache``
 only where a drafted request's row holds placeholders instead of slots (``srt/offload.py``):
 
-- a running drafted request is not published into the tree (``checkpoint`` before it
+- a running drafted request is not checkpointed into the tree (``checkpoint`` before it
   finishes), so the KV it computes stays its own and can move to the host; the shared prefix it
-  matched at admission stays tree-owned and on the device;
+  matched at admission stays tree-owned and on the device. When its prompt moves to the host,
+  the tree adopts the prompt's pool slots as unlocked nodes (``adopt``): the request decodes
+  from its host copy, and requests sharing the prompt (an agent fleet's system prompt, a
+  conversation's history) hit the device copy until eviction frees it, as without
+  ``--vericache``;
 - when it finishes, its host KV comes back into fresh pool slots and the whole sequence is
   inserted as usual, so the next turn of a conversation hits it (when the pool cannot take it,
   only the part already on the device is kept);
@@ -29,7 +33,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from sglang.srt.mem_cache.base_prefix_cache import (
@@ -38,7 +42,7 @@ from sglang.srt.mem_cache.base_prefix_cache import (
     MatchPrefixParams,
     MatchResult,
 )
-from sglang.srt.mem_cache.radix_cache import RadixCache
+from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
 
 from sglang_vericache.srt.draft_ahead import DraftAhead, draft_ahead_for
 from sglang_vericache.srt.eligibility import plain_reason
@@ -75,9 +79,31 @@ class VeriCacheRadixCache(RadixCache):
             draft_ahead_for(params.req_to_token_pool) if remote is not None and fetch_drafting
             else None
         )  # fmt: skip
-        self.loaded: dict[str, tuple[Any, int]] = {}  # rid -> (deepest node loaded, start)
         self.freed_seen = 0  # ledger.freed_slots when admission last reopened (admission.py)
         super().__init__(params)
+        self.offloader.ledger.publish = self.adopt
+
+    def adopt(self, req: Any, prefix: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """Take the pool slots of a drafted request's just-offloaded positions as tree nodes.
+
+        prefix: [lo] slots of the tree-owned positions the request matched (its locked path);
+        slots: [n] slots of positions [lo, lo + n), whose KV the request now reads from the
+        host. The new nodes are not locked: evictable at once. Returns the slots the tree did
+        not take (positions it already held, inserted by another request): the caller frees
+        them.
+        """
+        if self.disable:
+            return slots
+        end = prefix.numel() + slots.numel()
+        key = RadixKey(req.full_untruncated_fill_ids[:end], req.extra_key,
+                       cache_salt=req.cache_salt).page_aligned(self.page_size)  # fmt: skip
+        if len(key) != end:
+            return slots  # not page-aligned (never at a page-floored offload): keep none
+        inserted = self.insert(InsertParams(key=key, value=torch.cat([prefix, slots]),
+                                            priority=req.priority or 0,
+                                            inserted_len=req.kv.cache_inserted_len))  # fmt: skip
+        req.kv.cache_inserted_len = max(req.kv.cache_inserted_len, end)
+        return slots[: max(0, inserted.prefix_len - prefix.numel())]
 
     def checkpoint(self, req: Any, *, up_to: int) -> None:
         row = req.kv.req_pool_idx
@@ -94,29 +120,56 @@ class VeriCacheRadixCache(RadixCache):
             if self.offloader.ledger.span(row) is not None and self.remote.tier_up:
                 # full KV in the tier, compressed KV local; back on the device too where the
                 # pool has free room (a cached node, evicted like any other when it is needed)
-                if not self.disable and self.offloader.restore(row, lambda n: None):
-                    super().checkpoint(req, up_to=up_to)
+                if not self.disable:
+                    super().checkpoint(req, up_to=self._reclaim(req, up_to, lambda n: None))
                 return
             # a tier that is failing would lose it: keep it on the device as without a tier
         if self.disable:
             return  # nothing is cached; the row's placeholders are skipped when it is freed
-        restored = self.offloader.restore(
-            row, lambda n: self.evict(EvictParams(num_tokens=n))
-        )  # fmt: skip
-        if restored:
-            super().checkpoint(req, up_to=up_to)
-            return
-        self.restore_failures += 1
+        evict = lambda n: self.evict(EvictParams(num_tokens=n))  # noqa: E731
+        super().checkpoint(req, up_to=self._reclaim(req, up_to, evict))
+
+    def _reclaim(self, req: Any, up_to: int, evict: Callable[[int], Any]) -> int:
+        """Point a finished drafted row at device KV again, so SGLang can cache it: positions
+        of its host range the tree holds (the prompt it adopted, unless evicted) come from the
+        tree, locked for the request like a matched prefix; the rest is copied back into fresh
+        pool slots (``evict`` may make room). Returns how far the row can be cached: ``up_to``,
+        or only the tree-held part where the pool could not take the rest."""
+        row = req.kv.req_pool_idx
         span = self.offloader.ledger.span(row)
-        logger.info("pool full: request %s cached up to position %d only", req.rid, span.lo)
-        if span.lo > req.kv.cache_protected_len:
-            super().checkpoint(req, up_to=span.lo)
+        if span is None:
+            return up_to
+        held = self._lock_tree_part(req, span.lo, span.hi)
+        if self.offloader.restore(row, evict, held):
+            return up_to
+        self.restore_failures += 1
+        logger.info("pool full: request %s cached up to position %d only", req.rid,
+                    span.lo + held.numel())  # fmt: skip
+        return max(int(req.kv.cache_protected_len), span.lo)
+
+    def _lock_tree_part(self, req: Any, lo: int, hi: int) -> torch.Tensor:
+        """Pool slots the tree holds for row positions [lo, m) of ``req`` (m <= hi as deep as
+        the tree matches), with the request's tree lock moved down to position m. Empty unless
+        the request's own positions start at ``lo`` (its host range follows its locked path)."""
+        none = torch.empty(0, dtype=torch.int64)
+        if lo != int(req.kv.cache_protected_len):
+            return none
+        key = RadixKey(req.full_untruncated_fill_ids[:hi], req.extra_key,
+                       cache_salt=req.cache_salt)  # fmt: skip
+        match = super().match_prefix(MatchPrefixParams(key=key))
+        if match.device_prefix_len <= lo:
+            return none
+        node = match.last_device_node
+        lock = self.lock(node)  # before unlocking the old one: restore's eviction spares it
+        self.unlock(req.lock)
+        req.lock, req.last_node = lock, node
+        req.kv.cache_protected_len = match.device_prefix_len
+        return self.path_device_indices(node)[lo:].to(torch.int64)
 
     def free_kv_row(self, kv: Any, ranges: list[tuple[int, int]]) -> None:
         super().free_kv_row(kv, self.offloader.owned_ranges(kv.req_pool_idx, ranges))
 
     def on_release(self, req: Any, *, checkpointed: bool) -> None:
-        drafted = self.offloader.ledger.span(req.kv.req_pool_idx) is not None
         self.offloader.drop(req.kv.req_pool_idx)
         self.offloader.ledger.request_released(req.rid)
         if self.remote is not None:
@@ -124,26 +177,6 @@ class VeriCacheRadixCache(RadixCache):
         if self.ahead is not None:
             self.ahead.forget(req.rid)
         super().on_release(req, checkpointed=checkpointed)
-        loaded = self.loaded.pop(req.rid, None)
-        if loaded is not None and drafted:
-            self._drop_loaded(*loaded)
-
-    def _drop_loaded(self, node: Any, start: int) -> None:
-        """Free the device copy of a prefix loaded from the tier for a drafted request.
-
-        With a remote tier the device keeps compressed KV only; the full KV the request fetched
-        stays in the tier for the next turn. Nodes another request holds, or extended, stay.
-        """
-        while node is not self.root_node and not node.children and node.lock_ref == 0:
-            parent = node.parent
-            if parent.children.get(node.key.child_key(self.page_size)) is not node:
-                return  # evicted (or split off) meanwhile
-            if _node_start(node) < start:
-                return  # the part matched on the device before the load
-            self.token_to_kv_pool_allocator.free_segment(node.value, start_pos=0)
-            self._delete_leaf(node)
-            self.kv_events.record_remove(node)
-            node = parent
 
     # -- the remote tier -------------------------------------------------------------------
 
@@ -198,9 +231,7 @@ class VeriCacheRadixCache(RadixCache):
         duplicates = max(0, inserted.prefix_len - start)
         if duplicates:  # another request inserted part of it meanwhile: keep the tree's copy
             self.token_to_kv_pool_allocator.free(slots[:duplicates])
-        new_node = super().match_prefix(MatchPrefixParams(key=key)).last_device_node
-        self.loaded[req.rid] = (new_node, start)
-        return n, new_node
+        return n, super().match_prefix(MatchPrefixParams(key=key)).last_device_node
 
     def _observe_tier(self) -> None:
         if self.tier_metrics is not None:
@@ -209,7 +240,6 @@ class VeriCacheRadixCache(RadixCache):
     def reset(self) -> None:
         for row in list(self.offloader.ledger.rows):
             self.offloader.drop(row)
-        self.loaded = {}
         super().reset()
 
 
@@ -218,18 +248,8 @@ def _tier_eligible(req: Any) -> bool:
     return not getattr(req, "extra_key", None) and not getattr(req, "cache_salt", None)
 
 
-def _node_start(node: Any) -> int:
-    """Position of a tree node's first token (the key length of its ancestors)."""
-    start, node = 0, node.parent
-    while node is not None and node.parent is not None:
-        start, node = start + len(node.key), node.parent
-    return start
-
-
 def _match_key(req: Any) -> Any:
     from array import array
-
-    from sglang.srt.mem_cache.radix_cache import RadixKey
 
     return RadixKey(array("q", list(req.origin_input_ids) + list(req.output_ids)))
 

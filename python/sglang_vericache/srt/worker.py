@@ -153,7 +153,7 @@ class VeriCacheWorker(DecodeSteps, BaseSpecWorker):
         if not (self.offload_only or self.eager_offload) and span is None:
             return
         owned_from = int(req.kv.cache_protected_len)
-        self.offloader.offload(row, owned_from, committed, compressed_bytes)
+        self.offloader.offload(row, owned_from, committed, compressed_bytes, req=req)
 
     # -- the scheduler's entry point -----------------------------------------------------------
 
