@@ -185,22 +185,25 @@ def test_a_range_spanning_pool_host_and_tail_reads_exactly() -> None:
             assert torch.equal(torch.stack(read(layer)), before[layer][:, :, start:end])
 
 
-def _prompt_req(tokens: list[int]):
-    """What ``VeriCacheRadixCache.adopt`` reads of a scheduler request (the fields SGLang's own
-    ``checkpoint`` reads for the key)."""
+def _prompt_req(tokens: list[int], protected: int = 0, lock=None):
+    """What ``VeriCacheRadixCache.adopt`` reads and moves of a scheduler request (the fields
+    SGLang's own ``checkpoint`` reads for the key, the tree lock a matched prefix holds)."""
     from types import SimpleNamespace
 
+    kv = SimpleNamespace(cache_inserted_len=0, cache_protected_len=protected)
     return SimpleNamespace(full_untruncated_fill_ids=tokens, extra_key=None, cache_salt=None,
-                           priority=None, kv=SimpleNamespace(cache_inserted_len=0))  # fmt: skip
+                           priority=None, kv=kv, lock=lock, last_node=None)  # fmt: skip
 
 
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_an_offloaded_prompt_stays_in_the_tree_as_an_evictable_hit(page_size: int) -> None:
-    """A drafted request's prompt moves to the host, and the prefix tree keeps its pool slots:
-    a request sharing the prompt hits them while the first decodes from its host copy; a
-    duplicate prompt's slots are freed; eviction frees the rest; nothing leaks."""
-    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+    """A drafted request's row moves to the host, and the prefix tree keeps its pool slots: a
+    request sharing the prompt hits them while the first decodes from its host copy; a matched
+    prefix is no longer pinned; a duplicate prompt's slots are freed; eviction frees the rest;
+    nothing leaks."""
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams, MatchPrefixParams
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.radix_cache import RadixKey
 
     from sglang_vericache.srt.offloader import PoolOffloader
     from sglang_vericache.srt.radix_cache import VeriCacheRadixCache
@@ -221,11 +224,19 @@ def test_an_offloaded_prompt_stays_in_the_tree_as_an_evictable_hit(page_size: in
     assert torch.equal(hit, a_slots.to(hit.dtype))
     assert tree.evictable_size() == 100 and tree.protected_size() == 0  # cached, not locked
 
-    # a second request matched 60 of them, then diverged: its own part becomes a branch
+    # a second request matched 60 of them (locked, as admission locks a match), then diverged:
+    # its row moves to the host whole, the tree keeps the 60 unlocked and adopts the rest
     other = prompt[:60] + list(range(2000, 2040))
+    node = tree.match_prefix(MatchPrefixParams(key=RadixKey(other[:60]))).last_device_node
+    b = _prompt_req(other, protected=60, lock=tree.lock(node))
+    assert tree.protected_size() == 60
     rows.req_to_token[1, :60] = hit[:60].to(torch.int32)
     b_own = _fill_row_from(rows, alloc, 1, 60, 100)
-    worker.offload(1, 60, 100, 0, req=_prompt_req(other))
+    b_before = _full_kv(worker, 1, 100)
+    assert worker.offload(1, 60, 100, 0, req=b).moved == 100
+    for x, y in zip(b_before, _full_kv(worker, 1, 100)):
+        assert torch.equal(x, y)
+    assert tree.protected_size() == 0 and b.kv.cache_protected_len == 0  # nothing pinned
     got = _tree_slots(tree, other)
     assert torch.equal(got[60:], b_own.to(got.dtype))
 
@@ -266,7 +277,7 @@ def test_restore_points_at_the_slots_the_tree_holds_and_copies_only_the_rest() -
     off = PoolOffloader(kv, rows, alloc, LAYERS)
     slots = _fill_row(rows, alloc, 0, 90)
     before = _full_kv(off, 0, 90)
-    off.ledger.publish = lambda req, prefix, moved: moved[50:]  # a tree that keeps 50 of them
+    off.ledger.publish = lambda req, moved, owned_from: moved[50:]  # a tree keeping 50
     off.offload(0, 0, 90, 0, req=object())
     free = alloc.available_size()
     assert off.restore(0, evict=lambda n: None, held=slots[:50])

@@ -129,10 +129,11 @@ class OffloadLedger:
         # Called with a request id when SGLang releases the request's KV (finished at prefill
         # or decode, aborted, retracted): the end of its life, which the worker needs too.
         self.release_listeners: list[Callable[[str], None]] = []
-        # (req, prefix slots [lo], moved slots [n]) -> the moved slots the prefix tree did not
-        # take: set by the ``vericache`` prefix cache (``VeriCacheRadixCache.adopt``), so a
-        # drafted request's prompt is a cache hit for others while it decodes from the host.
-        self.publish: Callable[[Any, Tensor, Tensor], Tensor] | None = None
+        # (req, slots of row positions [0, n), owned_from) -> the request's own slots the
+        # prefix tree did not take: set by the ``vericache`` prefix cache
+        # (``VeriCacheRadixCache.adopt``), so a drafted request's prompt is a cache hit for others
+        # while it decodes from the host, and its matched prefix is no longer pinned by it.
+        self.publish: Callable[[Any, Tensor, int], Tensor] | None = None
 
     def request_released(self, rid: str) -> None:
         for listener in self.release_listeners:

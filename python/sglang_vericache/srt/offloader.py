@@ -88,25 +88,28 @@ class PoolOffloader:
         lo continues the row's host range. Moves nothing unless at least ``min_tokens`` are
         due. Then tops the row's reserved slots up to ``ceil(compressed_bytes / slot_bytes)``.
 
-        req: the row's request, where its moved slots may stay in the pool as prefix-tree nodes
-        instead of being freed (``OffloadLedger.publish``): a row's first offload, when it starts
-        at the tree-owned prefix. The request reads its host copy from then on; the tree's copy
-        is a cached node like any other (other requests hit it; eviction frees it).
+        req: the row's request, where the prefix tree takes part (``OffloadLedger.publish``):
+        then a row's first offload moves the whole row from position 0, the tree keeps the
+        matched prefix it owns (no longer locked by this request) and adopts the request's own
+        slots as cached nodes instead of their being freed. The request reads its host copy
+        from then on; the tree's copy is evictable like any cached node, and a hit for others.
         """
         entry = self.ledger.span(row)
-        first = entry is None
-        lo = entry.hi if entry is not None else -(-owned_from // self.page) * self.page
+        publish = self.ledger.publish if req is not None and entry is None else None
+        if entry is not None:
+            lo = entry.hi
+        elif publish is not None and owned_from % self.page == 0:
+            lo = 0  # the tree owns [0, owned_from) in whole pages
+        else:
+            publish, lo = None, -(-owned_from // self.page) * self.page
         hi = committed // self.page * self.page
         if hi - lo < max(min_tokens, 1):
             return OffloadResult()
         slots = self.table[row, lo:hi].to(torch.int64)
-        prefix = self.table[row, :lo].to(torch.int64)
         entry = self.ledger.offload(row, lo, read_pool_all_layers(self.pool, slots, self.num_layers))
         self.table[row, lo:hi] = PLACEHOLDER_SLOT
-        publish = self.ledger.publish
-        if req is not None and publish is not None and first and lo == owned_from:
-            slots = publish(req, prefix, slots)  # the tree keeps the rest
-        self.allocator.free(slots)
+        own = slots if publish is None else publish(req, slots, owned_from)
+        self.allocator.free(own)
         self.ledger.freed_slots += hi - lo
         held = self._reserve(entry, compressed_bytes)
         return OffloadResult(moved=hi - lo, reserved=held)

@@ -4,15 +4,15 @@
 only where a drafted request's row holds placeholders instead of slots (``srt/offload.py``):
 
 - a running drafted request is not checkpointed into the tree (``checkpoint`` before it
-  finishes), so the KV it computes stays its own and can move to the host; the shared prefix it
-  matched at admission stays tree-owned and on the device. When its prompt moves to the host,
-  the tree adopts the prompt's pool slots as unlocked nodes (``adopt``): the request decodes
-  from its host copy, and requests sharing the prompt (an agent fleet's system prompt, a
-  conversation's history) hit the device copy until eviction frees it, as without
-  ``--vericache``;
-- when it finishes, its host KV comes back into fresh pool slots and the whole sequence is
-  inserted as usual, so the next turn of a conversation hits it (when the pool cannot take it,
-  only the part already on the device is kept);
+  finishes): when its row moves to the host after prefill, the tree adopts the row's pool
+  slots instead (``adopt``): its matched prefix is no longer locked by it and its prompt
+  becomes unlocked nodes. The request decodes from its host copy; requests sharing the prompt
+  (an agent fleet's system prompt, a conversation's history) hit the device copy, and under
+  pressure eviction frees it, as it frees any cached node;
+- when it finishes, the row takes the tree's slots for what the tree still holds and copies
+  the rest back from the host into fresh pool slots, and the whole sequence is inserted as
+  usual, so the next turn of a conversation hits it (when the pool cannot take the rest, only
+  the part the tree holds is kept);
 - ``free_kv_row`` never frees the placeholders, and ``on_release`` frees the compressed KV's
   reserved slots, so the idle check ``available + evictable + protected == total`` holds.
 
@@ -83,27 +83,33 @@ class VeriCacheRadixCache(RadixCache):
         super().__init__(params)
         self.offloader.ledger.publish = self.adopt
 
-    def adopt(self, req: Any, prefix: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        """Take the pool slots of a drafted request's just-offloaded positions as tree nodes.
+    def adopt(self, req: Any, slots: torch.Tensor, owned_from: int) -> torch.Tensor:
+        """Take over a drafted request's pool slots when its row moves to the host.
 
-        prefix: [lo] slots of the tree-owned positions the request matched (its locked path);
-        slots: [n] slots of positions [lo, lo + n), whose KV the request now reads from the
-        host. The new nodes are not locked: evictable at once. Returns the slots the tree did
-        not take (positions it already held, inserted by another request): the caller frees
-        them.
+        slots: [n] slots of row positions [0, n), whose KV the request reads from the host
+        from now on. Positions [0, owned_from) are its matched prefix, already the tree's: the
+        request's lock on them is released (its host copy serves it), so they are evictable.
+        Its own positions become unlocked tree nodes where the tree lacks them. Returns the
+        request's own slots the tree did not take (positions another request inserted
+        meanwhile): the caller frees them.
         """
+        own = slots[owned_from:]
         if self.disable:
-            return slots
-        end = prefix.numel() + slots.numel()
-        key = RadixKey(req.full_untruncated_fill_ids[:end], req.extra_key,
+            return own
+        n = slots.numel()
+        key = RadixKey(req.full_untruncated_fill_ids[:n], req.extra_key,
                        cache_salt=req.cache_salt).page_aligned(self.page_size)  # fmt: skip
-        if len(key) != end:
-            return slots  # not page-aligned (never at a page-floored offload): keep none
-        inserted = self.insert(InsertParams(key=key, value=torch.cat([prefix, slots]),
-                                            priority=req.priority or 0,
-                                            inserted_len=req.kv.cache_inserted_len))  # fmt: skip
-        req.kv.cache_inserted_len = max(req.kv.cache_inserted_len, end)
-        return slots[: max(0, inserted.prefix_len - prefix.numel())]
+        duplicates = own.numel()  # none inserted: the caller frees them all
+        if len(key) == n:  # always, at a page-floored offload
+            inserted = self.insert(InsertParams(key=key, value=slots,
+                                                priority=req.priority or 0,
+                                                inserted_len=req.kv.cache_inserted_len))  # fmt: skip
+            req.kv.cache_inserted_len = max(req.kv.cache_inserted_len, n)
+            duplicates = max(0, inserted.prefix_len - owned_from)
+        self.unlock(req.lock)  # root: locks nothing; _lock_tree_part relocks at the finish
+        req.lock, req.last_node = self.lock(self.root_node), self.root_node
+        req.kv.cache_protected_len = 0
+        return own[:duplicates]
 
     def checkpoint(self, req: Any, *, up_to: int) -> None:
         row = req.kv.req_pool_idx
