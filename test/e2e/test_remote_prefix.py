@@ -25,6 +25,7 @@ pytestmark = [pytest.mark.sglang, pytest.mark.model, pytest.mark.timeout(1200)]
 CHUNK = 128  # srt/radix_cache.py REMOTE_CHUNK_TOKENS
 NEW_TOKENS = 12
 KV_BYTES_PER_TOKEN = 30 * 2 * 3 * 64 * 4  # SmolLM2-135M fp32: layers x (K, V) x heads x dim
+LOOKUP_DEADLINE_S = 10  # long enough to tell a request held up behind a hung lookup apart
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +46,8 @@ def kv_server() -> Iterator[ServerProcess]:
 def servers(kv_server, tmp_path_factory) -> Iterator[tuple[SGLangServer, SGLangServer]]:
     args = ["--max-total-tokens", "16384", "--vericache", "--vericache-draft-len", "4",
             "--vericache-tier", kv_server.spec, "--enable-metrics",
-            "--vericache-tier-inflight-mb", "256"]  # fmt: skip
+            "--vericache-tier-inflight-mb", "256",
+            "--vericache-tier-lookup-deadline", str(LOOKUP_DEADLINE_S)]  # fmt: skip
     logs = tmp_path_factory.mktemp("remote")
     with SGLangServer(args, log_path=logs / "a.log") as a, SGLangServer(args, log_path=logs / "b.log") as b:
         yield a, b
@@ -150,6 +152,36 @@ def test_corrupt_chunk_is_recomputed_identically(servers, kv_server, plain_serve
     assert bad_chunk * CHUNK <= cached < (bad_chunk + 1) * CHUNK, got["meta_info"]
     want = _generate(plain_server, ids + tokenizer.encode(" Summarize."))
     assert got["output_ids"] == want["output_ids"]
+
+
+def test_a_request_waiting_on_a_hung_tier_holds_up_no_one(servers, kv_server, plain_server,
+                                                          tokenizer) -> None:  # fmt: skip
+    """A KV server that stops answering (SIGSTOP: hung, not dead) keeps a request whose prefix
+    it must look up waiting until its lookup deadline; a request with nothing to look up, queued
+    behind it, is admitted and answered meanwhile, not held up behind the network. Both answer
+    as plain SGLang does."""
+    import os
+    import signal
+
+    _, b = servers
+    waiting = _prompt(tokenizer, "harbour")  # whole chunks: B asks the tier for them
+    quick = tokenizer.encode("Name three colours.")  # under one chunk: never looked up
+    out: dict = {}
+    os.kill(kv_server.proc.pid, signal.SIGSTOP)
+    try:
+        thread = threading.Thread(target=lambda: out.update(_generate(b, waiting)))
+        thread.start()
+        time.sleep(1.0)  # its lookup is in flight, unanswered
+        started = time.monotonic()
+        got = _generate(b, quick)
+        took = time.monotonic() - started
+        assert not out, "the tier was stopped: the first request should still be waiting"
+    finally:
+        os.kill(kv_server.proc.pid, signal.SIGCONT)
+    thread.join(timeout=600)
+    assert took < LOOKUP_DEADLINE_S * 0.6, f"held up {took:.1f} s behind a hung lookup"
+    assert got["output_ids"] == _generate(plain_server, quick)["output_ids"]
+    assert out["output_ids"] == _generate(plain_server, waiting)["output_ids"]
 
 
 def test_kv_server_killed_mid_fetch_is_recomputed_identically(

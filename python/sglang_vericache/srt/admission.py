@@ -13,6 +13,11 @@ admission reserve exactly that for such requests, and SGLang's estimate for ever
 is what lets a 4x compressor serve several times more long requests in the same budget. The
 same method sizes decode retraction, which therefore also sees the smaller footprint.
 
+SGLang's admission loop stops at the first request it cannot add. A request whose prefix is
+being fetched from a remote tier cannot be added yet, but nothing behind it should wait for the
+network: the hook around ``add_one_req`` passes over it (as SGLang passes over a request whose
+HiCache storage prefetch is running) and the loop goes on to the next.
+
 SGLang also stops trying to admit once an admission failed for memory (``batch_is_full``) until
 a request leaves. Under VeriCache memory comes back without anyone leaving (the worker offloads
 resident full KV when admission is short), so the second hook reopens admission whenever
@@ -24,6 +29,7 @@ offloads have freed slots since the last attempt. The third records what an atte
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -80,6 +86,12 @@ def _add_one_req_around(original: Callable[..., Any], adder: Any, req: Any, *arg
                         **kw: Any) -> Any:  # fmt: skip
     from sglang.srt.managers.schedule_policy import CLIP_MAX_NEW_TOKENS, AddReqResult
 
+    waiting = getattr(adder.tree_cache, "waiting_for_tier", None)
+    if waiting is not None and waiting(req):
+        running = adder.running_batch
+        if not adder.can_run_list and (running is None or running.is_empty()):
+            time.sleep(0.001)  # nothing to run: let the tier's I/O thread work, do not spin
+        return AddReqResult.CONTINUE  # passed over, not added: the loop tries the next request
     result = original(adder, req, *args, **kw)
     offloader = getattr(adder.tree_cache, "offloader", None)
     if offloader is not None and result == AddReqResult.NO_TOKEN:

@@ -32,7 +32,6 @@ hit on every server sharing the tier.
 from __future__ import annotations
 
 import logging
-import time
 from typing import Any, Callable
 
 import torch
@@ -213,10 +212,7 @@ class VeriCacheRadixCache(RadixCache):
         start, promised = int(req.prefix_len), int(params.host_hit_length)
         kv = self.remote.take(req.rid, start, promised)
         if kv is False:
-            if self.ahead is not None:
-                self.ahead.start(req.rid, req.origin_input_ids, req.sampling_params.max_new_tokens,
-                                 self.remote.expected_wait_s(req.rid))  # fmt: skip
-            time.sleep(0.001)  # the scheduler retries at once: let the tier's I/O thread run
+            self._wait_for_tier(req)
             return None  # lookup or fetch in flight: the request waits in the queue
         if self.ahead is not None:
             self.ahead.halt(req.rid)  # the full KV is here: stop competing with its prefill
@@ -238,6 +234,22 @@ class VeriCacheRadixCache(RadixCache):
         if duplicates:  # another request inserted part of it meanwhile: keep the tree's copy
             self.token_to_kv_pool_allocator.free(slots[:duplicates])
         return n, super().match_prefix(MatchPrefixParams(key=key)).last_device_node
+
+    def waiting_for_tier(self, req: Any) -> bool:
+        """Whether admission should pass over ``req`` for now: its tier lookup or fetch is in
+        flight. SGLang's admission loop stops at the first request it cannot admit, so a
+        request waiting on the network would hold up everyone queued behind it; passed over,
+        it is admitted on a later round, when its KV is here (``admission.py``)."""
+        if self.remote is None or req.host_hit_length <= 0 or not self.remote.in_flight(req.rid):
+            return False
+        self._wait_for_tier(req)
+        return True
+
+    def _wait_for_tier(self, req: Any) -> None:
+        """Draft from the local compressed prefix while ``req`` waits for its full KV."""
+        if self.ahead is not None:
+            self.ahead.start(req.rid, req.origin_input_ids, req.sampling_params.max_new_tokens,
+                             self.remote.expected_wait_s(req.rid))  # fmt: skip
 
     def _observe_tier(self) -> None:
         if self.tier_metrics is not None:

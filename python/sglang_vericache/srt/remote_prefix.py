@@ -176,6 +176,11 @@ class RemotePrefixLink:
         self.counters.hits_tokens += length
         return kv[..., start : start + length, :]
 
+    def in_flight(self, rid: str) -> bool:
+        """Whether ``rid``'s lookup or fetch is still running (as of the latest ``probe``)."""
+        state = self.pending.get(rid)
+        return state is not None and state.phase in ("lookup", "fetch")
+
     def forget(self, rid: str) -> None:
         state = self.pending.pop(rid, None)
         if state is not None and state.task is not None:
