@@ -254,6 +254,32 @@ def test_an_offloaded_prompt_stays_in_the_tree_as_an_evictable_hit(page_size: in
     assert alloc.available_size() == total and tree.evictable_size() == 0
 
 
+def test_compressed_kv_reservation_evicts_cached_nodes_when_no_slot_is_free() -> None:
+    """Adopted prompts keep their slots as cached nodes, so the pool may have no free slot
+    left for a row's compressed KV: its reservation evicts cached tokens, as any allocation
+    does, instead of going unaccounted."""
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+
+    from sglang_vericache.srt.offloader import PoolOffloader
+    from sglang_vericache.srt.radix_cache import VeriCacheRadixCache
+
+    kv, rows, alloc = _pools(1)
+    tree = VeriCacheRadixCache(CacheInitParams(disable=False, req_to_token_pool=rows,
+                                               token_to_kv_pool_allocator=alloc,
+                                               page_size=1), LAYERS, verify_width=5)  # fmt: skip
+    worker = PoolOffloader(kv, rows, alloc, LAYERS)
+    _fill_row(rows, alloc, 0, 100)
+    worker.offload(0, 0, 100, 0, req=_prompt_req(list(range(1000, 1100))))
+    hog = alloc.alloc(alloc.available_size() - 100)
+    _fill_row(rows, alloc, 2, 100)
+    assert alloc.available_size() == 0
+    result = worker.offload(2, 0, 100, 10 * worker.slot_bytes,
+                            req=_prompt_req(list(range(3000, 3100))))  # fmt: skip
+    assert result.reserved == 10 and worker.reserve_shortfall == 0
+    assert tree.evictable_size() == 100  # the older cached prompt (one node) made room
+    del hog
+
+
 def _fill_row_from(rows, alloc, row: int, start: int, end: int) -> torch.Tensor:
     slots = alloc.alloc(end - start)
     rows.req_to_token[row, start:end] = slots.to(torch.int32)

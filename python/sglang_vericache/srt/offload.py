@@ -134,6 +134,9 @@ class OffloadLedger:
         # (``VeriCacheRadixCache.adopt``), so a drafted request's prompt is a cache hit for others
         # while it decodes from the host, and its matched prefix is no longer pinned by it.
         self.publish: Callable[[Any, Tensor, int], Tensor] | None = None
+        # n -> None: evict n cached tokens from the prefix tree (the compressed KV's reserved
+        # slots are taken from it when the pool's free slots are all cached nodes).
+        self.evict_cached: Callable[[int], None] | None = None
 
     def request_released(self, rid: str) -> None:
         for listener in self.release_listeners:

@@ -121,6 +121,9 @@ class PoolOffloader:
         if extra <= 0:
             return 0
         got = self.allocator.alloc(extra)
+        if got is None and self.ledger.evict_cached is not None:
+            self.ledger.evict_cached(extra)  # free slots may all be cached nodes: evict some
+            got = self.allocator.alloc(extra)
         if got is None:
             self.reserve_shortfall += extra
             logger.warning("pool full: %d slots of compressed KV unaccounted", extra)

@@ -81,6 +81,7 @@ class VeriCacheRadixCache(RadixCache):
         self.freed_seen = 0  # ledger.freed_slots when admission last reopened (admission.py)
         super().__init__(params)
         self.offloader.ledger.publish = self.adopt
+        self.offloader.ledger.evict_cached = lambda n: self.evict(EvictParams(num_tokens=n))
 
     def adopt(self, req: Any, slots: torch.Tensor, owned_from: int) -> torch.Tensor:
         """Take over a drafted request's pool slots when its row moves to the host.
