@@ -294,7 +294,7 @@ def test_a_decoding_requests_prompt_is_a_hit_for_requests_that_share_it(
 
     shared = "Briefing shared by every agent of the fleet.\n\n" + prompts[1].text
     first = {"text": shared, "stream": True,
-             "sampling_params": {"temperature": 0, "max_new_tokens": 160, "ignore_eos": True}}
+             "sampling_params": {"temperature": 0, "max_new_tokens": 96, "ignore_eos": True}}
     stamps: list[tuple[float, dict]] = []
     started = threading.Event()
 

@@ -280,6 +280,39 @@ def test_compressed_kv_reservation_evicts_cached_nodes_when_no_slot_is_free() ->
     del hog
 
 
+def test_pressure_counts_cached_prefixes_as_room_and_offloads_rows_whole() -> None:
+    """A pool full of cached prefixes is not pressure (allocation evicts them): no row moves.
+    Under real pressure a resident row moves whole and the tree keeps its slots, unpinned."""
+    from types import SimpleNamespace
+
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+
+    from sglang_vericache.srt.offloader import PoolOffloader
+    from sglang_vericache.srt.radix_cache import VeriCacheRadixCache
+    from sglang_vericache.srt.step_costs import relieve_pressure
+
+    kv, rows, alloc = _pools(1)
+    tree = VeriCacheRadixCache(CacheInitParams(disable=False, req_to_token_pool=rows,
+                                               token_to_kv_pool_allocator=alloc,
+                                               page_size=1), LAYERS, verify_width=5)  # fmt: skip
+    worker = PoolOffloader(kv, rows, alloc, LAYERS)
+    _fill_row(rows, alloc, 0, 100)
+    worker.offload(0, 0, 100, 0, req=_prompt_req(list(range(1000, 1100))))
+    _fill_row(rows, alloc, 1, 100)  # a resident drafted request
+    resident = _prompt_req(list(range(2000, 2100)))
+    resident.rid = "resident"
+    hog = alloc.alloc(alloc.available_size())
+    batch = SimpleNamespace(reqs=[resident], req_pool_indices=torch.tensor([1]),
+                            seq_lens_cpu=torch.tensor([100]))  # fmt: skip
+    states = {"resident": SimpleNamespace(nbytes=0)}
+    assert worker.free_slots() == 100  # none free, 100 cached
+    assert relieve_pressure(batch, states, worker, width=5) == 0
+    worker.ledger.admission_deficit = 150  # a waiting request needs more than the cache holds
+    assert relieve_pressure(batch, states, worker, width=5) == 100
+    assert worker.ledger.span(1).lo == 0 and tree.cached_tokens() == 200
+    del hog
+
+
 def _fill_row_from(rows, alloc, row: int, start: int, end: int) -> torch.Tensor:
     slots = alloc.alloc(end - start)
     rows.req_to_token[row, start:end] = slots.to(torch.int32)
@@ -297,13 +330,15 @@ def _tree_slots(tree, tokens: list[int]) -> torch.Tensor:
 
 def test_restore_points_at_the_slots_the_tree_holds_and_copies_only_the_rest() -> None:
     """A finished row whose prompt the tree adopted comes back without copying the prompt."""
+    from types import SimpleNamespace
+
     from sglang_vericache.srt.offloader import PoolOffloader
 
     kv, rows, alloc = _pools(1)
     off = PoolOffloader(kv, rows, alloc, LAYERS)
     slots = _fill_row(rows, alloc, 0, 90)
     before = _full_kv(off, 0, 90)
-    off.ledger.publish = lambda req, moved, owned_from: moved[50:]  # a tree keeping 50
+    off.ledger.tree = SimpleNamespace(adopt=lambda req, moved, owned_from: moved[50:])  # keeps 50
     off.offload(0, 0, 90, 0, req=object())
     free = alloc.available_size()
     assert off.restore(0, evict=lambda n: None, held=slots[:50])

@@ -13,7 +13,7 @@ placeholder there. What stays in the device pool per request::
 Attention reads [lo, hi) from the host buffer (``OffloadLedger.read``): for verification and for
 a plain decode step, never for drafting (drafts read the compressed view). Freed slots go back
 to SGLang's allocator at once, so the scheduler admits more requests into the same budget;
-a prompt's slots go to the prefix tree instead (``OffloadLedger.publish``): evictable like any
+a drafted row's slots go to the prefix tree instead (``PrefixTreeHooks``): evictable like any
 cached node, and a hit for the requests that share the prompt while this one decodes.
 
 Ownership: the ledger is shared by the worker (which offloads) and the ``vericache`` prefix
@@ -24,7 +24,7 @@ request-to-token pool they share (``ledger_for``). Everything runs on the schedu
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import torch
 from torch import Tensor
@@ -113,6 +113,21 @@ class OffloadedRow:
         return self.lo + self.host.length
 
 
+class PrefixTreeHooks(Protocol):
+    """What the offloader asks of the prefix tree (``VeriCacheRadixCache``; scheduler thread)."""
+
+    def adopt(self, req: Any, slots: Tensor, owned_from: int) -> Tensor:
+        """Take the slots ([n] int64) of row positions [0, n) of ``req``, whose KV now lives in
+        its host buffer, as unlocked cached nodes; ``req`` stops pinning its matched prefix
+        [0, owned_from). Returns the request's own slots the tree did not take: free them."""
+
+    def evict_cached(self, num_tokens: int) -> None:
+        """Evict at least ``num_tokens`` cached (unlocked) tokens where there are that many."""
+
+    def cached_tokens(self) -> int:
+        """Tokens held by cached, unlocked nodes: free for any allocation after eviction."""
+
+
 class OffloadLedger:
     """Which pool rows have offloaded ranges, and the slots held for their compressed KV.
 
@@ -129,14 +144,9 @@ class OffloadLedger:
         # Called with a request id when SGLang releases the request's KV (finished at prefill
         # or decode, aborted, retracted): the end of its life, which the worker needs too.
         self.release_listeners: list[Callable[[str], None]] = []
-        # (req, slots of row positions [0, n), owned_from) -> the request's own slots the
-        # prefix tree did not take: set by the ``vericache`` prefix cache
-        # (``VeriCacheRadixCache.adopt``), so a drafted request's prompt is a cache hit for others
-        # while it decodes from the host, and its matched prefix is no longer pinned by it.
-        self.publish: Callable[[Any, Tensor, int], Tensor] | None = None
-        # n -> None: evict n cached tokens from the prefix tree (the compressed KV's reserved
-        # slots are taken from it when the pool's free slots are all cached nodes).
-        self.evict_cached: Callable[[int], None] | None = None
+        # The prefix tree the pool's rows share (the ``vericache`` prefix cache sets itself):
+        # what a drafted row's pool slots become when its full KV moves to the host.
+        self.tree: PrefixTreeHooks | None = None
 
     def request_released(self, rid: str) -> None:
         for listener in self.release_listeners:

@@ -63,6 +63,12 @@ class PoolOffloader:
         while a row's pool slots are gathered (``OffloadLedger.read``)."""
         return self.pool.get_key_buffer(0).device.type == "cpu"
 
+    def free_slots(self) -> int:
+        """Slots an allocation can have: free ones plus the tree's cached, unlocked ones (SGLang
+        evicts those to allocate, as admission counts them)."""
+        tree = self.ledger.tree
+        return int(self.allocator.available_size()) + (0 if tree is None else tree.cached_tokens())
+
     def row_slots(self, row: int, start: int, end: int) -> Tensor:
         """Pool slots of positions [start, end) of req_to_token row ``row``: [n] int64."""
         return self.table[row, start:end].to(torch.int64)
@@ -88,27 +94,27 @@ class PoolOffloader:
         lo continues the row's host range. Moves nothing unless at least ``min_tokens`` are
         due. Then tops the row's reserved slots up to ``ceil(compressed_bytes / slot_bytes)``.
 
-        req: the row's request, where the prefix tree takes part (``OffloadLedger.publish``):
+        req: the row's request, where the prefix tree takes part (``PrefixTreeHooks.adopt``):
         then a row's first offload moves the whole row from position 0, the tree keeps the
         matched prefix it owns (no longer locked by this request) and adopts the request's own
         slots as cached nodes instead of their being freed. The request reads its host copy
         from then on; the tree's copy is evictable like any cached node, and a hit for others.
         """
         entry = self.ledger.span(row)
-        publish = self.ledger.publish if req is not None and entry is None else None
+        tree = self.ledger.tree if req is not None and entry is None else None
         if entry is not None:
             lo = entry.hi
-        elif publish is not None and owned_from % self.page == 0:
+        elif tree is not None and owned_from % self.page == 0:
             lo = 0  # the tree owns [0, owned_from) in whole pages
         else:
-            publish, lo = None, -(-owned_from // self.page) * self.page
+            tree, lo = None, -(-owned_from // self.page) * self.page
         hi = committed // self.page * self.page
         if hi - lo < max(min_tokens, 1):
             return OffloadResult()
         slots = self.table[row, lo:hi].to(torch.int64)
         entry = self.ledger.offload(row, lo, read_pool_all_layers(self.pool, slots, self.num_layers))
         self.table[row, lo:hi] = PLACEHOLDER_SLOT
-        own = slots if publish is None else publish(req, slots, owned_from)
+        own = slots if tree is None else tree.adopt(req, slots, owned_from)
         self.allocator.free(own)
         self.ledger.freed_slots += hi - lo
         held = self._reserve(entry, compressed_bytes)
@@ -121,8 +127,8 @@ class PoolOffloader:
         if extra <= 0:
             return 0
         got = self.allocator.alloc(extra)
-        if got is None and self.ledger.evict_cached is not None:
-            self.ledger.evict_cached(extra)  # free slots may all be cached nodes: evict some
+        if got is None and self.ledger.tree is not None:
+            self.ledger.tree.evict_cached(extra)  # free slots may all be cached nodes
             got = self.allocator.alloc(extra)
         if got is None:
             self.reserve_shortfall += extra

@@ -3,10 +3,11 @@
 ``--vericache`` selects it (``--radix-cache-backend vericache``). It differs from ``RadixCache``
 only where a drafted request's row holds placeholders instead of slots (``srt/offload.py``):
 
-- a running drafted request is not checkpointed into the tree (``checkpoint`` before it
-  finishes): when its row moves to the host after prefill, the tree adopts the row's pool
-  slots instead (``adopt``): its matched prefix is no longer locked by it and its prompt
-  becomes unlocked nodes. The request decodes from its host copy; requests sharing the prompt
+- a running request whose KV is in the pool is checkpointed as in SGLang (its prompt is a hit
+  for others). When a drafted row's full KV moves to the host (after prefill on the CPU backend,
+  under pressure on an accelerator), the tree adopts the row's pool slots instead
+  (``adopt``): the row's matched or checkpointed prefix is no longer locked by it and the rest
+  becomes unlocked nodes. The request decodes from its host copy; requests sharing its prompt
   (an agent fleet's system prompt, a conversation's history) hit the device copy, and under
   pressure eviction frees it, as it frees any cached node;
 - when it finishes, the row takes the tree's slots for what the tree still holds and copies
@@ -16,8 +17,8 @@ only where a drafted request's row holds placeholders instead of slots (``srt/of
 - ``free_kv_row`` never frees the placeholders, and ``on_release`` frees the compressed KV's
   reserved slots, so the idle check ``available + evictable + protected == total`` holds.
 
-Requests decoded plainly (sampling, logprobs, ...) never offload and are cached exactly as
-without ``--vericache``.
+Requests decoded plainly (sampling, logprobs, ...) are cached exactly as without
+``--vericache``.
 
 With a remote tier (``--vericache-tier zmq://...`` / ``lmcache://...``) the full KV of a
 finished drafted sequence goes to the tier (write-through) and its compressed KV stays local
@@ -44,7 +45,6 @@ from sglang.srt.mem_cache.base_prefix_cache import (
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
 
 from sglang_vericache.srt.draft_ahead import DraftAhead, draft_ahead_for
-from sglang_vericache.srt.eligibility import plain_reason
 from sglang_vericache.srt.metrics import TierLinkExporter
 from sglang_vericache.srt.offload import write_pool_all_layers
 from sglang_vericache.srt.offloader import PoolOffloader
@@ -80,8 +80,7 @@ class VeriCacheRadixCache(RadixCache):
         )  # fmt: skip
         self.freed_seen = 0  # ledger.freed_slots when admission last reopened (admission.py)
         super().__init__(params)
-        self.offloader.ledger.publish = self.adopt
-        self.offloader.ledger.evict_cached = lambda n: self.evict(EvictParams(num_tokens=n))
+        self.offloader.ledger.tree = self  # PrefixTreeHooks: adopt, evict_cached, cached_tokens
 
     def adopt(self, req: Any, slots: torch.Tensor, owned_from: int) -> torch.Tensor:
         """Take over a drafted request's pool slots when its row moves to the host.
@@ -111,12 +110,18 @@ class VeriCacheRadixCache(RadixCache):
         req.kv.cache_protected_len = 0
         return own[:duplicates]
 
+    def evict_cached(self, num_tokens: int) -> None:
+        self.evict(EvictParams(num_tokens=num_tokens))
+
+    def cached_tokens(self) -> int:
+        return int(self.evictable_size())
+
     def checkpoint(self, req: Any, *, up_to: int) -> None:
         row = req.kv.req_pool_idx
         if not req.finished():
-            if self.offloader.ledger.span(row) is None and plain_reason(req) is not None:
+            if self.offloader.ledger.span(row) is None:  # its KV in the pool: as plain SGLang
                 super().checkpoint(req, up_to=up_to)
-            return  # a drafted request keeps its KV to itself while it runs
+            return  # offloaded: the tree adopted its slots when they moved (``adopt``)
         if self.remote is not None and _tier_eligible(req):
             tokens = req.full_untruncated_fill_ids[:up_to]
             self.remote.write_through(tokens, self._sequence_reader(row))
@@ -132,8 +137,7 @@ class VeriCacheRadixCache(RadixCache):
             # a tier that is failing would lose it: keep it on the device as without a tier
         if self.disable:
             return  # nothing is cached; the row's placeholders are skipped when it is freed
-        evict = lambda n: self.evict(EvictParams(num_tokens=n))  # noqa: E731
-        super().checkpoint(req, up_to=self._reclaim(req, up_to, evict))
+        super().checkpoint(req, up_to=self._reclaim(req, up_to, self.evict_cached))
 
     def _reclaim(self, req: Any, up_to: int, evict: Callable[[int], Any]) -> int:
         """Point a finished drafted row at device KV again, so SGLang can cache it: positions

@@ -56,7 +56,7 @@ def relieve_pressure(batch: Any, states: Mapping[str, Any], offloader: Any, widt
     and one more step of every row (``placement.shortfall``). Returns tokens moved to the host.
     """
     ledger = offloader.ledger
-    free = int(offloader.allocator.available_size())
+    free = offloader.free_slots()  # cached prefixes count: allocation evicts them, no offload
     need = shortfall(free, ledger.admission_deficit, low_water([width] * len(batch.reqs)))
     if need == 0:
         return 0
@@ -66,13 +66,14 @@ def relieve_pressure(batch: Any, states: Mapping[str, Any], offloader: Any, widt
     for i, req in enumerate(batch.reqs):
         if req.rid not in states or ledger.span(pool_rows[i]) is not None:
             continue  # not drafted (nothing to draft from once offloaded), or already offloaded
-        owned_from = int(req.kv.cache_protected_len)
-        resident.append(ResidentRow(pool_rows[i], int(lens[i]) - owned_from))
-        owner[pool_rows[i]] = (owned_from, int(lens[i]), states[req.rid].nbytes)
+        # the whole row moves: the tree keeps its slots as cached nodes, no longer pinned
+        resident.append(ResidentRow(pool_rows[i], int(lens[i])))
+        owner[pool_rows[i]] = (req, int(lens[i]), states[req.rid].nbytes)
     moved = 0
     for row in rows_to_offload(resident, need):
-        owned_from, committed, compressed = owner[row]
-        moved += offloader.offload(row, owned_from, committed, compressed, min_tokens=1).moved
+        req, committed, compressed = owner[row]
+        moved += offloader.offload(row, int(req.kv.cache_protected_len), committed, compressed,
+                                   min_tokens=1, req=req).moved  # fmt: skip
     return moved
 
 
