@@ -53,7 +53,8 @@ from sglang_vericache.tier.task_table import TaskTableTier, TrackedTask
 
 logger = logging.getLogger("sglang_vericache.tier.lmcache")
 
-INSTALL_HINT = "pip install 'sglang-vericache[lmcache]'"
+# pip cannot install the [lmcache] extra beside sglang (pyproject.toml says why): the script can
+INSTALL_HINT = "bash scripts/lmcache_venv.sh (builds .venv-lmcache with LMCache 0.5.6)"
 _MAGIC = b"VCKVMAN1"
 _BLOCK = 1  # block 0 is LMCache's null block id ("absent KV")
 _COUNTERS = ("submitted", "completed", "failures", "checksum_mismatch", "geometry_mismatch",
@@ -183,6 +184,10 @@ class LMCacheTier(TaskTableTier[TrackedTask]):
 
         lm = self._lm
         self._zmq_ctx = zmq.Context()
+        # LMCache closes its sockets with the context's default linger, and a request queued
+        # for a dead server is never delivered: with zmq's default (wait forever),
+        # _drop_connection's term() blocked the I/O thread for good and no task ever finished.
+        self._zmq_ctx.setsockopt(zmq.LINGER, 0)
         self._client = lm.RequestClientFactory.create(self.url, context=self._zmq_ctx)
         chunk_size = int(self._client.get_chunk_size().result(timeout=self.timeout_s))
         if chunk_size != self.geometry.chunk_tokens:

@@ -1,8 +1,8 @@
 """LMCacheTier. Without the [lmcache] extra only the clear-error path runs; with it, a real
 ``lmcache server`` (engine-driven) is started on 127.0.0.1:
 
-    pip install 'sglang-vericache[lmcache]'
-    pytest test/unit/tier/test_tier_lmcache.py -m lmcache
+    bash scripts/lmcache_venv.sh
+    .venv-lmcache/bin/python -m pytest test/unit/tier/test_tier_lmcache.py -m lmcache
 """
 
 from __future__ import annotations
@@ -17,10 +17,12 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Iterator
 
 import pytest
 import torch
+import zmq
 
 from sglang_vericache.tier import TaskStatus, open_tier
 from sglang_vericache.tier.factory import TierOptions
@@ -31,7 +33,7 @@ from tier_testlib import Results, free_port
 
 HAVE_LMCACHE = importlib.util.find_spec("lmcache") is not None
 needs_lmcache = pytest.mark.skipif(
-    not HAVE_LMCACHE, reason="needs the [lmcache] extra: pip install 'sglang-vericache[lmcache]'")
+    not HAVE_LMCACHE, reason="needs LMCache: bash scripts/lmcache_venv.sh, then run in .venv-lmcache")
 
 # chunk_tokens must equal the server's --chunk-size; each layer block must hold the manifest.
 GEOMETRY = KVGeometry("tiny-lmcache", num_layers=2, num_kv_heads=2, head_dim=8,
@@ -39,13 +41,13 @@ GEOMETRY = KVGeometry("tiny-lmcache", num_layers=2, num_kv_heads=2, head_dim=8,
 
 
 @pytest.mark.skipif(HAVE_LMCACHE, reason="lmcache is installed: the error path cannot run")
-def test_without_lmcache_the_error_names_the_extra() -> None:
+def test_without_lmcache_the_error_names_the_script_that_installs_it() -> None:
     import sglang_vericache.tier.lmcache as adapter  # importing the module is always fine
 
     assert "lmcache" not in sys.modules
-    with pytest.raises(ImportError, match=r"pip install 'sglang-vericache\[lmcache\]'"):
+    with pytest.raises(ImportError, match=r"scripts/lmcache_venv.sh"):
         adapter.LMCacheTier("127.0.0.1", 5555, GEOMETRY)
-    with pytest.raises(ImportError, match="sglang-vericache"):
+    with pytest.raises(ImportError, match="lmcache_venv"):
         open_tier("lmcache://127.0.0.1:5555", GEOMETRY)
 
 
@@ -72,7 +74,10 @@ def lmcache_server() -> Iterator[str]:
     proc = subprocess.Popen(
         [exe, "server", "--host", "127.0.0.1", "--port", str(port), "--l1-size-gb", "0.25",
          "--chunk-size", str(GEOMETRY.chunk_tokens), "--supported-transfer-mode",
-         "engine_driven", "--http-port", str(free_port())],
+         "engine_driven", "--http-port", str(free_port()),
+         # lmcache 0.5.6 refuses to start without it ("Legacy L1 configuration requires
+         # --l1-size-gb and --eviction-policy")
+         "--eviction-policy", "LRU", "--prometheus-port", str(free_port())],
         stdout=log, stderr=subprocess.STDOUT, env=env)
     try:
         yield f"lmcache://127.0.0.1:{port}"
@@ -132,4 +137,48 @@ def test_lmcache_unreachable_is_a_clean_failure() -> None:
     result = res.wait(tier.submit_fetch(chunk_keys(GEOMETRY, list(range(16))),
                                         alloc_chunks(GEOMETRY, 16)), timeout_s=30)
     assert result.status is TaskStatus.FAILED and tier.stats()["fallbacks"] == 1
+    tier.close()
+
+
+class _Unanswered:
+    """An LMCache future whose reply never comes: ``result`` raises once its timeout is up."""
+
+    def result(self, timeout: float | None = None) -> None:
+        time.sleep(0.05)
+        raise TimeoutError("Future result not available within timeout")
+
+
+class _ClientOfADeadServer:
+    """LMCache 0.5.6's zmq request client as it is once its server has died: a DEALER socket,
+    made from the context the tier passes in, holding a request no peer will ever take, and
+    closed with that context's default linger (``MessageQueueClient.close``)."""
+
+    def __init__(self, url: str, context: zmq.Context) -> None:
+        self.socket = context.socket(zmq.DEALER)
+        self.socket.connect(url)
+        self.socket.send(b"GET_CHUNK_SIZE", zmq.NOBLOCK)  # queued for a peer that never comes
+
+    def get_chunk_size(self) -> _Unanswered:
+        return _Unanswered()
+
+    def close(self) -> None:
+        self.socket.close()
+
+
+def test_a_dead_server_fails_tasks_instead_of_hanging_the_io_thread(monkeypatch) -> None:
+    """Dropping the connection to a dead server must not block: with the default linger (wait
+    forever for queued messages), ``zmq.Context.term()`` never returned, the I/O thread hung,
+    and every later task (a fetch a request waits on) stayed pending for ever. Seen end to end:
+    an lmcache server killed while a replica fetched left that request unanswered. Runs
+    without lmcache: the client is a stand-in with the same socket behaviour."""
+    import sglang_vericache.tier.lmcache as adapter
+
+    fake = SimpleNamespace(RequestClientFactory=SimpleNamespace(create=_ClientOfADeadServer))
+    monkeypatch.setattr(adapter, "import_lmcache", lambda: fake)
+    tier = adapter.LMCacheTier("127.0.0.1", free_port(), GEOMETRY, timeout_s=1)
+    res = Results(tier)
+    keys = chunk_keys(GEOMETRY, list(range(16)))
+    for _ in range(2):  # the second task proves the I/O thread came back from the first
+        result = res.wait(tier.submit_lookup(keys), timeout_s=20)
+        assert result.status is TaskStatus.FAILED and "TimeoutError" in (result.error or "")
     tier.close()
