@@ -2,7 +2,7 @@
 
     host                  full KV in this process's host memory (pinned when CUDA is present)
     zmq://HOST:PORT       the built-in KV server (python -m sglang_vericache.tier.server)
-    lmcache://HOST:PORT   an LMCache multiprocess server (needs the [lmcache] extra)
+    lmcache://HOST:PORT   an LMCache multiprocess server (scripts/lmcache_venv.sh installs it)
 """
 
 from __future__ import annotations
