@@ -27,9 +27,10 @@ def _pools(page_size: int):
     return kv, rows, alloc
 
 
-def _fill_row(rows, alloc, row: int, n: int) -> torch.Tensor:
+def _fill_row(rows, alloc, row: int, n: int, start: int = 0) -> torch.Tensor:
+    """Fresh slots for positions [start, start + n) of ``row``: [n]."""
     slots = alloc.alloc(n)
-    rows.req_to_token[row, :n] = slots.to(torch.int32)
+    rows.req_to_token[row, start : start + n] = slots.to(torch.int32)
     return slots
 
 
@@ -202,17 +203,9 @@ def test_an_offloaded_prompt_stays_in_the_tree_as_an_evictable_hit(page_size: in
     prefix is no longer pinned; a duplicate prompt's slots are freed; eviction frees the rest;
     nothing leaks."""
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams, MatchPrefixParams
-    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
     from sglang.srt.mem_cache.radix_cache import RadixKey
 
-    from sglang_vericache.srt.offloader import PoolOffloader
-    from sglang_vericache.srt.radix_cache import VeriCacheRadixCache
-
-    kv, rows, alloc = _pools(page_size)
-    tree = VeriCacheRadixCache(CacheInitParams(disable=False, req_to_token_pool=rows,
-                                               token_to_kv_pool_allocator=alloc,
-                                               page_size=page_size), LAYERS, verify_width=5)  # fmt: skip
-    worker = PoolOffloader(kv, rows, alloc, LAYERS)  # the worker's: same ledger as the tree's
+    kv, rows, alloc, tree, worker = _with_tree(page_size)
     total = alloc.available_size()
     prompt = list(range(1000, 1100))
     a_slots = _fill_row(rows, alloc, 0, 100)
@@ -231,7 +224,7 @@ def test_an_offloaded_prompt_stays_in_the_tree_as_an_evictable_hit(page_size: in
     b = _prompt_req(other, protected=60, lock=tree.lock(node))
     assert tree.protected_size() == 60
     rows.req_to_token[1, :60] = hit[:60].to(torch.int32)
-    b_own = _fill_row_from(rows, alloc, 1, 60, 100)
+    b_own = _fill_row(rows, alloc, 1, 40, start=60)
     b_before = _full_kv(worker, 1, 100)
     assert worker.offload(1, 60, 100, 0, req=b).moved == 100
     for x, y in zip(b_before, _full_kv(worker, 1, 100)):
@@ -258,16 +251,7 @@ def test_compressed_kv_reservation_evicts_cached_nodes_when_no_slot_is_free() ->
     """Adopted prompts keep their slots as cached nodes, so the pool may have no free slot
     left for a row's compressed KV: its reservation evicts cached tokens, as any allocation
     does, instead of going unaccounted."""
-    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
-
-    from sglang_vericache.srt.offloader import PoolOffloader
-    from sglang_vericache.srt.radix_cache import VeriCacheRadixCache
-
-    kv, rows, alloc = _pools(1)
-    tree = VeriCacheRadixCache(CacheInitParams(disable=False, req_to_token_pool=rows,
-                                               token_to_kv_pool_allocator=alloc,
-                                               page_size=1), LAYERS, verify_width=5)  # fmt: skip
-    worker = PoolOffloader(kv, rows, alloc, LAYERS)
+    kv, rows, alloc, tree, worker = _with_tree(1)
     _fill_row(rows, alloc, 0, 100)
     worker.offload(0, 0, 100, 0, req=_prompt_req(list(range(1000, 1100))))
     hog = alloc.alloc(alloc.available_size() - 100)
@@ -285,17 +269,9 @@ def test_pressure_counts_cached_prefixes_as_room_and_offloads_rows_whole() -> No
     Under real pressure a resident row moves whole and the tree keeps its slots, unpinned."""
     from types import SimpleNamespace
 
-    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
-
-    from sglang_vericache.srt.offloader import PoolOffloader
-    from sglang_vericache.srt.radix_cache import VeriCacheRadixCache
     from sglang_vericache.srt.step_costs import relieve_pressure
 
-    kv, rows, alloc = _pools(1)
-    tree = VeriCacheRadixCache(CacheInitParams(disable=False, req_to_token_pool=rows,
-                                               token_to_kv_pool_allocator=alloc,
-                                               page_size=1), LAYERS, verify_width=5)  # fmt: skip
-    worker = PoolOffloader(kv, rows, alloc, LAYERS)
+    kv, rows, alloc, tree, worker = _with_tree(1)
     _fill_row(rows, alloc, 0, 100)
     worker.offload(0, 0, 100, 0, req=_prompt_req(list(range(1000, 1100))))
     _fill_row(rows, alloc, 1, 100)  # a resident drafted request
@@ -313,10 +289,19 @@ def test_pressure_counts_cached_prefixes_as_room_and_offloads_rows_whole() -> No
     del hog
 
 
-def _fill_row_from(rows, alloc, row: int, start: int, end: int) -> torch.Tensor:
-    slots = alloc.alloc(end - start)
-    rows.req_to_token[row, start:end] = slots.to(torch.int32)
-    return slots
+def _with_tree(page_size: int):
+    """``_pools`` plus the ``vericache`` prefix tree over them and a worker-side offloader,
+    which finds the tree through the ledger they share."""
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+
+    from sglang_vericache.srt.offloader import PoolOffloader
+    from sglang_vericache.srt.radix_cache import VeriCacheRadixCache
+
+    kv, rows, alloc = _pools(page_size)
+    params = CacheInitParams(disable=False, req_to_token_pool=rows,
+                             token_to_kv_pool_allocator=alloc, page_size=page_size)  # fmt: skip
+    tree = VeriCacheRadixCache(params, LAYERS, verify_width=5)
+    return kv, rows, alloc, tree, PoolOffloader(kv, rows, alloc, LAYERS)
 
 
 def _tree_slots(tree, tokens: list[int]) -> torch.Tensor:
