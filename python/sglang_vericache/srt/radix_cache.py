@@ -96,8 +96,7 @@ class VeriCacheRadixCache(RadixCache):
         if self.disable:
             return own
         n = slots.numel()
-        key = RadixKey(req.full_untruncated_fill_ids[:n], req.extra_key,
-                       cache_salt=req.cache_salt).page_aligned(self.page_size)  # fmt: skip
+        key = _row_key(req, n).page_aligned(self.page_size)
         duplicates = own.numel()  # none inserted: the caller frees them all
         if len(key) == n:  # always, at a page-floored offload
             inserted = self.insert(InsertParams(key=key, value=slots,
@@ -164,8 +163,7 @@ class VeriCacheRadixCache(RadixCache):
         none = torch.empty(0, dtype=torch.int64)
         if lo != int(req.kv.cache_protected_len):
             return none
-        key = RadixKey(req.full_untruncated_fill_ids[:hi], req.extra_key,
-                       cache_salt=req.cache_salt)  # fmt: skip
+        key = _row_key(req, hi)
         match = super().match_prefix(MatchPrefixParams(key=key))
         if match.device_prefix_len <= lo:
             return none
@@ -269,6 +267,12 @@ class VeriCacheRadixCache(RadixCache):
 def _tier_eligible(req: Any) -> bool:
     """Tier keys hash tokens and the model only: LoRA / salted requests stay local."""
     return not getattr(req, "extra_key", None) and not getattr(req, "cache_salt", None)
+
+
+def _row_key(req: Any, end: int) -> RadixKey:
+    """The tree key of ``req``'s row positions [0, end), namespaced as SGLang's checkpoint
+    namespaces it (LoRA / extra key, cache salt)."""
+    return RadixKey(req.full_untruncated_fill_ids[:end], req.extra_key, cache_salt=req.cache_salt)
 
 
 def _match_key(req: Any) -> Any:
