@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from sglang_vericache.exactness.server import free_port
+from sglang_vericache.exactness.server import free_port, log_tail
 
 # LMCache's usage telemetry, banner and builtin-hash warning are noise here (notes/lmcache-cpu.md)
 QUIET_ENV = {"LMCACHE_TRACK_USAGE": "false", "DO_NOT_TRACK": "1", "LMCACHE_DISABLE_BANNER": "1",
@@ -122,10 +122,7 @@ class LMCacheServerProcess:
             pass
 
     def log_tail(self, n_bytes: int = 3000) -> str:
-        try:
-            return self.log_path.read_bytes()[-n_bytes:].decode(errors="replace")
-        except OSError:
-            return "(no log)"
+        return log_tail(self.log_path, n_bytes)
 
     def __enter__(self) -> LMCacheServerProcess:
         return self.start()

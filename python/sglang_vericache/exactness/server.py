@@ -38,6 +38,14 @@ def http_json(url: str, payload: Any | None = None, timeout: float = 600.0) -> A
         return json.loads(resp.read() or b"null")
 
 
+def log_tail(path: Path, n_bytes: int) -> str:
+    """The last ``n_bytes`` of a server's log file, for start-up errors ("(no log)" if none)."""
+    try:
+        return path.read_bytes()[-n_bytes:].decode(errors="replace")
+    except OSError:
+        return "(no log)"
+
+
 class SGLangServer:
     """``python -m sglang.launch_server ARGS`` on 127.0.0.1, usable as a context manager.
 
@@ -77,10 +85,7 @@ class SGLangServer:
         return self
 
     def log_tail(self, n_bytes: int = 4000) -> str:
-        try:
-            return self.log_path.read_bytes()[-n_bytes:].decode(errors="replace")
-        except OSError:
-            return "(no log)"
+        return log_tail(self.log_path, n_bytes)
 
     def _wait_healthy(self) -> None:
         assert self.proc is not None
