@@ -9,21 +9,14 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import os
-import shutil
-import signal
-import subprocess
 import sys
-import tempfile
 import time
-from pathlib import Path
+from collections.abc import Iterator
 from types import SimpleNamespace
-from typing import Iterator
 
 import pytest
 import torch
 import zmq
-
 from sglang_vericache.tier import TaskStatus, open_tier
 from sglang_vericache.tier.factory import TierOptions
 from sglang_vericache.tier.geometry import KVGeometry
@@ -66,28 +59,10 @@ def test_pseudo_tokens_encode_the_whole_key() -> None:
 
 @pytest.fixture(scope="module")
 def lmcache_server() -> Iterator[str]:
-    exe = shutil.which("lmcache") or str(Path(sys.executable).parent / "lmcache")
-    port = free_port()
-    log = tempfile.NamedTemporaryFile("w+", prefix="lmcache-server-", suffix=".log")
-    env = {**os.environ, "LMCACHE_TRACK_USAGE": "false", "DO_NOT_TRACK": "1",
-           "LMCACHE_DISABLE_BANNER": "1", "PYTHONHASHSEED": "0"}
-    proc = subprocess.Popen(
-        [exe, "server", "--host", "127.0.0.1", "--port", str(port), "--l1-size-gb", "0.25",
-         "--chunk-size", str(GEOMETRY.chunk_tokens), "--supported-transfer-mode",
-         "engine_driven", "--http-port", str(free_port()),
-         # lmcache 0.5.6 refuses to start without it ("Legacy L1 configuration requires
-         # --l1-size-gb and --eviction-policy")
-         "--eviction-policy", "LRU", "--prometheus-port", str(free_port())],
-        stdout=log, stderr=subprocess.STDOUT, env=env)
-    try:
-        yield f"lmcache://127.0.0.1:{port}"
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    from sglang_vericache.exactness.lmcache_server import LMCacheServerProcess
+
+    with LMCacheServerProcess(GEOMETRY.chunk_tokens, l1_size_gb=0.25) as server:
+        yield server.spec
 
 
 def wait_ready(spec: str, geometry: KVGeometry) -> None:
