@@ -331,3 +331,54 @@ def test_restore_points_at_the_slots_the_tree_holds_and_copies_only_the_rest() -
     assert torch.equal(rows.req_to_token[0, :50].to(torch.int64), slots[:50].to(torch.int64))
     for a, b in zip(before, _full_kv(off, 0, 90)):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_a_stop_inside_the_offloaded_span_frees_only_the_requests_own_slots(page_size: int) -> None:
+    """A verify commits a whole accepted chunk, so a stop can land before the end of a row's
+    offloaded span: SGLang caches the row up to the stop and frees the rest of it as
+    over-allocated. The tree's slots past the stop must not be handed to the row (they were,
+    and SGLang freed a cached node's slot: the idle leak check killed the server)."""
+    from types import SimpleNamespace
+
+    from sglang.srt.managers.schedule_batch import ReqKvInfo
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+
+    kv, rows, alloc, tree, worker = _with_tree(page_size)
+    total = alloc.available_size()
+    tokens = list(range(1000, 1044))
+    tree.insert(InsertParams(key=RadixKey(tokens[:40]), value=alloc.alloc(40)))  # an earlier turn
+
+    # the same prompt again: 24 matched (locked as admission locks), its own KV from there on
+    node = tree.match_prefix(MatchPrefixParams(key=RadixKey(tokens[:24]))).last_device_node
+    req = SimpleNamespace(rid="b", full_untruncated_fill_ids=tokens, origin_input_ids=tokens[:28],
+                          extra_key=None, cache_salt=None,
+                          priority=None, kv=ReqKvInfo(req_pool_idx=1, cache_protected_len=24,
+                          kv_allocated_len=44), lock=tree.lock(node), last_node=node,
+                          finished=lambda: True)  # fmt: skip
+    rows.req_to_token[1, :24] = tree.path_device_indices(node).to(torch.int32)
+    _fill_row(rows, alloc, 1, 20, start=24)
+    worker.offload(1, 24, committed=32, compressed_bytes=0, req=req)  # span [0, 32)
+
+    # it stops at 30 (SGLang's owned_kv_len): release_kv_cache's calls, in its order
+    owned, allocated = 30, req.kv.kv_allocated_len
+    tree.checkpoint(req, up_to=owned)
+    tree.free_kv_row(req.kv, [(req.kv.cache_protected_len, owned)])
+    tree.unlock(req.lock)
+    tree.free_kv_row(req.kv, [(-(-owned // page_size) * page_size, allocated)])
+    tree.on_release(req, checkpointed=True)
+
+    free = set(alloc.get_all_free_pages().tolist())
+    cached = set((tree.path_device_indices(_deepest(tree, tokens)) // page_size).tolist())
+    assert not free & cached  # no cached slot is also free
+    assert alloc.available_size() + tree.evictable_size() + tree.protected_size() == total
+    tree.evict(EvictParams(num_tokens=SLOTS))
+    assert alloc.available_size() == total
+
+
+def _deepest(tree, tokens: list[int]):
+    from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+
+    return tree.match_prefix(MatchPrefixParams(key=RadixKey(tokens))).last_device_node

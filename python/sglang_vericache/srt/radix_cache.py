@@ -143,12 +143,16 @@ class VeriCacheRadixCache(RadixCache):
         of its host range the tree holds (the prompt it adopted, unless evicted) come from the
         tree, locked for the request like a matched prefix; the rest is copied back into fresh
         pool slots (``evict`` may make room). Returns how far the row can be cached: ``up_to``,
-        or only the tree-held part where the pool could not take the rest."""
+        or only the tree-held part where the pool could not take the rest.
+
+        The tree's part ends at ``up_to`` even where the span goes on: a verify commits a
+        whole accepted chunk, so a stop can land inside the span, and SGLang frees the row's
+        positions past ``up_to`` as over-allocated (they must be the request's own slots)."""
         row = req.kv.req_pool_idx
         span = self.offloader.ledger.span(row)
         if span is None:
             return up_to
-        held = self._lock_tree_part(req, span.lo, span.hi)
+        held = self._lock_tree_part(req, span.lo, min(span.hi, up_to))
         if self.offloader.restore(row, evict, held):
             return up_to
         self.restore_failures += 1
