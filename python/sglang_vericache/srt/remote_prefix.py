@@ -40,6 +40,7 @@ import logging
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Callable, Sequence
 
 from torch import Tensor
@@ -66,6 +67,17 @@ def link_for(req_to_token_pool: object) -> "RemotePrefixLink | None":
     return getattr(req_to_token_pool, LINK_ATTR, None)
 
 
+class PrefixPhase(Enum):
+    """Where a waiting request's tier prefix stands: LOOKUP (asking which chunks the tier
+    holds) -> FETCH (getting them) -> READY (arrived, verified); MISS at any point (nothing to
+    load: recompute)."""
+
+    LOOKUP = "lookup"
+    FETCH = "fetch"
+    READY = "ready"
+    MISS = "miss"
+
+
 @dataclass(slots=True)
 class _Pending:
     """One waiting request: the chunks past its device match and its lookup task (its fetch
@@ -74,7 +86,7 @@ class _Pending:
     first_chunk: int
     keys: list[ChunkKey]
     task: TaskId | None
-    phase: str  # "lookup" | "fetch" | "ready" | "miss"
+    phase: PrefixPhase
     chunks_ok: int = 0
     created: float = field(default_factory=time.monotonic)  # also: when the lookup started
     probed: float = field(default_factory=time.monotonic)  # the scheduler's latest probe
@@ -143,13 +155,13 @@ class RemotePrefixLink:
                 self.counters.probes_skipped_down += 1
                 return 0  # known down: recompute without asking it
             keys = chunk_keys(self.geometry, list(tokens[:end]))[first:]
-            state = _Pending(first, keys, self.tier.submit_lookup(keys), "lookup")
+            state = _Pending(first, keys, self.tier.submit_lookup(keys), PrefixPhase.LOOKUP)
             self.pending[rid] = state
             self.counters.lookups += 1
         state.probed = time.monotonic()
-        if state.phase == "miss":
+        if state.phase is PrefixPhase.MISS:
             return 0
-        end_chunks = len(state.keys) if state.phase != "ready" else state.chunks_ok
+        end_chunks = len(state.keys) if state.phase is not PrefixPhase.READY else state.chunks_ok
         return max((state.first_chunk + end_chunks) * self.chunk - device_len, 0)
 
     def take(self, rid: str, device_len: int, length: int) -> Tensor | None | bool:
@@ -162,10 +174,10 @@ class RemotePrefixLink:
         """
         self.poll()
         state = self.pending.get(rid)
-        if state is None or state.phase == "miss" or length <= 0:
+        if state is None or state.phase is PrefixPhase.MISS or length <= 0:
             self.pending.pop(rid, None)
             return None
-        if state.phase != "ready":
+        if state.phase is not PrefixPhase.READY:
             return False
         start = device_len - state.first_chunk * self.chunk
         if start < 0 or start + length > state.chunks_ok * self.chunk:
@@ -179,13 +191,13 @@ class RemotePrefixLink:
     def in_flight(self, rid: str) -> bool:
         """Whether ``rid``'s lookup or fetch is still running (as of the latest ``probe``)."""
         state = self.pending.get(rid)
-        return state is not None and state.phase in ("lookup", "fetch")
+        return state is not None and state.phase in (PrefixPhase.LOOKUP, PrefixPhase.FETCH)
 
     def forget(self, rid: str) -> None:
         state = self.pending.pop(rid, None)
         if state is not None and state.task is not None:
             self.tier.cancel(state.task)
-        if state is not None and state.phase in ("fetch", "ready"):
+        if state is not None and state.phase in (PrefixPhase.FETCH, PrefixPhase.READY):
             self.fetches.release(rid)
 
     # -- writes -------------------------------------------------------------------------------
@@ -254,19 +266,19 @@ class RemotePrefixLink:
                 logger.warning("tier lookup for request %s: %s; recomputed", rid,
                                result.error or result.status.value)  # fmt: skip
             if n_ok == 0:
-                state.phase = "miss"
+                state.phase = PrefixPhase.MISS
             elif self.fetch_bytes_in_flight() + self.fetches.new_bytes(state.keys[:n_ok]) > (
                 self.bounds.max_fetch_bytes
             ):
                 self.counters.fetches_skipped_full += 1
-                state.phase = "miss"
+                state.phase = PrefixPhase.MISS
             elif not self._fetch_pays(state.keys[:n_ok]):
                 self.counters.fetches_skipped_slower += 1
-                state.phase = "miss"
+                state.phase = PrefixPhase.MISS
             else:
                 state.keys = state.keys[:n_ok]
                 self.fetches.want(rid, state.keys)
-                state.phase, state.fetch_started = "fetch", time.monotonic()
+                state.phase, state.fetch_started = PrefixPhase.FETCH, time.monotonic()
         # Only after the answers that have come: a scheduler busy with a long prefill polls
         # late, and a lookup answered meanwhile was not the tier's delay.
         self._expire_overdue_lookups(now)
@@ -285,16 +297,16 @@ class RemotePrefixLink:
     def _settle_fetches(self) -> None:
         """Requests whose every chunk has landed or failed become ready (or a miss)."""
         for rid, state in self.pending.items():
-            if state.phase != "fetch" or not self.fetches.settled(rid):
+            if state.phase is not PrefixPhase.FETCH or not self.fetches.settled(rid):
                 continue
             state.chunks_ok = self.fetches.leading_ok(rid)
             for key in state.keys[state.chunks_ok:]:  # missing or bad: not stored any more
                 self._stored.pop(key.digest, None)
             if state.chunks_ok == 0:
                 self.fetches.release(rid)
-                state.phase = "miss"
+                state.phase = PrefixPhase.MISS
             else:
-                state.phase = "ready"
+                state.phase = PrefixPhase.READY
 
     def put_bytes_in_flight(self) -> int:
         return sum(c.nbytes for _, chunks in self._puts.values() for c in chunks)
@@ -333,11 +345,11 @@ class RemotePrefixLink:
         """Lookups past their deadline: cancel, recompute, and treat the tier as down."""
         deadline = self.bounds.lookup_deadline_s
         for rid, state in self.pending.items():
-            if state.phase != "lookup" or now - state.created <= deadline:
+            if state.phase is not PrefixPhase.LOOKUP or now - state.created <= deadline:
                 continue
             if state.task is not None:
                 self.tier.cancel(state.task)
-            state.task, state.phase = None, "miss"
+            state.task, state.phase = None, PrefixPhase.MISS
             self.counters.overdue_lookups += 1
             self._mark(False)
             logger.warning("tier lookup for request %s unanswered after %.1f s: recomputing, "
@@ -350,7 +362,7 @@ class RemotePrefixLink:
         if state is None or not self.fetch_bytes_per_s:
             return None
         left = sum(self.geometry.chunk_nbytes(k.num_tokens) for k in state.keys)
-        if state.phase == "fetch":
+        if state.phase is PrefixPhase.FETCH:
             left -= (time.monotonic() - state.fetch_started) * self.fetch_bytes_per_s
         return max(left, 0) / self.fetch_bytes_per_s
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 import torch
-from sglang_vericache.srt.remote_prefix import RemotePrefixLink
+from sglang_vericache.srt.remote_prefix import PrefixPhase, RemotePrefixLink
 from sglang_vericache.tier.client import ZmqTier
 from sglang_vericache.tier.host import HostTier
 from sglang_vericache.tier.link_bounds import LinkBounds
@@ -26,7 +26,7 @@ def _settle(link: RemotePrefixLink, rid: str, tokens, device_len: int, timeout: 
     while time.monotonic() < deadline:
         hit = link.probe(rid, tokens, device_len)
         state = link.pending.get(rid)
-        if state is None or state.phase in ("ready", "miss"):
+        if state is None or state.phase in (PrefixPhase.READY, PrefixPhase.MISS):
             return hit
         time.sleep(0.01)
     raise AssertionError("tier task never finished")
