@@ -110,7 +110,9 @@ def test_next_turn_on_the_same_server_hits_its_own_device_prefix(servers, kv_ser
                                                                   tokenizer) -> None:  # fmt: skip
     """Same server, next turn: turn 1's full KV is still in the pool (placement by pressure: it
     fits, so nothing moved it), so the prefix is a device hit and nothing is fetched from the
-    tier, while turn 1 was still written through for the other replicas. (Drafting while a
+    tier, while turn 1 was still written through for the other replicas; turn 2's compressed
+    KV starts from turn 1's (kept for its prefix), not from compressing all of it again.
+    (Drafting while a
     prefix is fetched now needs that prefix evicted first: demotion on eviction is the tiered
     prefix issue's to build; ``test/srt/test_draft_ahead.py`` covers the drafting itself.)"""
     a, _ = servers
@@ -120,6 +122,7 @@ def test_next_turn_on_the_same_server_hits_its_own_device_prefix(servers, kv_ser
     assert got["meta_info"]["cached_tokens"] >= (len(ids) // CHUNK) * CHUNK, got["meta_info"]
     fetched = kv_server.stats()["bytes_out"] - sent  # probe replies only, no chunk of KV
     assert fetched < CHUNK * KV_BYTES_PER_TOKEN, f"a prefix that fits on the device: {fetched} B"
+    assert got["meta_info"]["vericache"]["compressed_prefix_reused_tokens"] >= len(ids), got
     assert got["output_ids"] == _generate(plain_server, turn2)["output_ids"]
 
 

@@ -257,3 +257,39 @@ def test_catching_up_equals_appending_token_by_token(pool, spec: str) -> None:
     lazy.check_integrity()
     for (ka, va), (kb, vb) in zip(lazy.views(), stepwise.views()):
         assert torch.equal(ka, kb) and torch.equal(va, vb)
+
+
+@pytest.mark.parametrize("spec", ["snapkv:ratio=0.5", "kivi:bits=4", "streaming:sink=4,window=28"])
+def test_a_stored_prefix_seeds_a_new_state_and_stays_as_it_was(pool, spec: str) -> None:
+    """A later turn's state starts from a copy of a stored one (``from_prefix``): positions
+    past the stored tokens are dropped from the copy, the rest of the prompt is appended with
+    its queries, and the result equals building the stored state then appending the same
+    positions. Two copies grown differently never touch each other or the stored state (a
+    dropper's view buffer is written in place past its view)."""
+    from sglang_vericache.srt.draft_state import RequestDraftState
+
+    compressor = build_compressor(spec)
+    queries = [torch.randn(H_Q, 8, D) for _ in range(LAYERS)]
+    read = reader(pool)
+    stored = RequestDraftState.build(compressor, layer_reader(pool, torch.arange(T)), T, queries,
+                                     LAYERS)  # fmt: skip
+    stored.catch_up(lambda layer: read(layer, torch.arange(T, T + 3)), T + 3)  # 3 past the end
+    before = [tuple(x.clone() for x in view) for view in stored.views()]
+
+    new_q = [torch.randn(H_Q, 8, D) for _ in range(LAYERS)]
+    seeded = RequestDraftState.from_prefix(
+        stored, 3, lambda layer: read(layer, torch.arange(T, T + 60)), T + 60, new_q)
+    other = RequestDraftState.from_prefix(
+        stored, 3, lambda layer: read(layer, torch.arange(120, 122)), T + 2, new_q)  # in place
+    seeded.check_integrity()
+    other.check_integrity()
+    assert (seeded.covered, seeded.reused, other.covered) == (T + 60, T, T + 2)
+
+    expected = RequestDraftState.build(compressor, layer_reader(pool, torch.arange(T)), T,
+                                       queries, LAYERS)  # fmt: skip
+    expected.catch_up(lambda layer: read(layer, torch.arange(T, T + 60)), T + 60, new_q)
+    for (ka, va), (kb, vb) in zip(seeded.views(), expected.views()):
+        assert torch.equal(ka, kb) and torch.equal(va, vb)
+    for (ka, va), (kb, vb) in zip(stored.views(), before):
+        assert torch.equal(ka, kb) and torch.equal(va, vb)  # the stored state is untouched
+    assert stored.covered == T + 3

@@ -11,6 +11,7 @@ depend on how the appends were chunked, so long generations stay within budget d
 
 from __future__ import annotations
 
+import copy
 from dataclasses import replace
 
 import torch
@@ -122,6 +123,23 @@ class CompressedLayerCache:
         self._compressed = replace(c, residual_keys=self._buf_k[:, :n_body],
                                    residual_values=self._buf_v[:, :n_body])  # fmt: skip
         self._keys, self._values = self._buf_k[:, n_body:used], self._buf_v[:, n_body:used]
+
+    def clone(self, drop_last: int = 0) -> "CompressedLayerCache":
+        """An independent copy without the window's newest ``drop_last`` tokens (a stored
+        prefix's past-the-end positions, ``srt/draft_ahead.StoredPrefix``).
+
+        The body is immutable and shared; a quantized body's window is replaced, never written
+        in place, so it is shared too; a view buffer is written in place past its view, so the
+        copy gets its own (``_pack``). Raises ValueError unless 0 <= drop_last <= num_pending.
+        """
+        if not 0 <= drop_last <= self.num_pending:
+            raise ValueError(f"clone: drop_last {drop_last} outside [0, {self.num_pending}]")
+        twin = copy.copy(self)
+        keep = self.num_pending - drop_last
+        twin._keys, twin._values = self._keys[:, :keep], self._values[:, :keep]
+        twin._positions = self._positions[:keep]
+        twin._pack(0)
+        return twin
 
     def draft_buffer(self, room: int) -> tuple[Tensor, Tensor] | None:
         """(keys, values) [H_kv, capacity, D] whose first ``view_len`` columns are the view and

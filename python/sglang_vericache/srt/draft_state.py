@@ -43,6 +43,7 @@ class RequestDraftState:
     layers: list[CompressedLayerCache]
     covered: int
     stats: VeriCacheStats = field(default_factory=VeriCacheStats)
+    reused: int = 0  # leading positions copied from a stored compressed prefix (``from_prefix``)
 
     @classmethod
     def build(
@@ -76,6 +77,20 @@ class RequestDraftState:
                 )
             )
         return cls(layers=caches, covered=t)
+
+    @classmethod
+    def from_prefix(cls, prefix: "RequestDraftState", drop_last: int, read: LayerReader,
+                    length: int, queries: Sequence[Tensor | None]) -> "RequestDraftState":  # fmt: skip
+        """A new request's state from a stored one whose first ``prefix.covered - drop_last``
+        positions are this request's prompt too: a copy (the stored state stays as it was),
+        then the rest of the prompt appended as plain steps would (``catch_up``), so the cost
+        is the prompt's new tokens, not all of it. read(layer): [H_kv, n, D] keys and values
+        of positions [covered, length); queries as in ``build`` (the prompt's last W)."""
+        layers = [cache.clone(drop_last) for cache in prefix.layers]
+        state = cls(layers=layers, covered=prefix.covered - drop_last)
+        state.reused = state.covered
+        state.catch_up(read, length, queries)
+        return state
 
     @classmethod
     def rebuild(cls, compressor: Compressor, read: LayerReader, length: int,
@@ -120,17 +135,26 @@ class RequestDraftState:
         layer at a time instead: ``srt/draft_attention.py``)."""
         return [cache.view()[:2] for cache in self.layers]
 
-    def catch_up(self, read: LayerReader, length: int) -> int:
+    def catch_up(self, read: LayerReader, length: int,
+                 queries: Sequence[Tensor | None] | None = None) -> int:  # fmt: skip
         """Append positions covered..length-1, read per layer by ``read`` ([H_kv, n, D] keys
-        and values of exactly those positions), without queries, as plain steps would have one
-        by one (the caches' state does not depend on how appends are chunked). Returns n."""
+        and values of exactly those positions), as plain steps would have one by one (the
+        caches' state does not depend on how appends are chunked). queries[layer]: [H_q, W, D]
+        queries of the last W of those positions (kept for later folds' scoring), or None.
+        Returns n."""
         n = length - self.covered
         if n <= 0:
             return 0
         positions = torch.arange(self.covered, length)
         for layer, cache in enumerate(self.layers):
             keys, values = read(layer)
-            cache.append(keys, values, positions, None)
+            q = None if queries is None else queries[layer]
+            w = 0 if q is None else min(q.shape[1], n)
+            if w < n:  # the older positions, without queries
+                cache.append(keys[:, : n - w], values[:, : n - w], positions[: n - w])
+            if w:
+                cache.append(keys[:, n - w :], values[:, n - w :], positions[n - w :],
+                             q[:, q.shape[1] - w :])  # fmt: skip
         self.covered = length
         return n
 

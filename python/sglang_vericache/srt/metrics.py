@@ -26,11 +26,13 @@ def request_meta_info(stats: VeriCacheStats | None, state: Any, span: Any,
     stats: the request's counters (None while its prompt is still in prefill); ``mode`` says
         greedy / sampled / plain (then ``plain_reason`` says why), ``accept_rate`` and
         ``mean_accept_len`` its acceptance. state: its ``RequestDraftState`` or None; span: its
-        offload ledger entry or None; ahead_used: drafts made while its prefix was fetched, and
+        offload ledger entry or None (``compressed_prefix_reused_tokens``: prompt positions
+        whose compressed KV came from an earlier turn's, not compressed again); ahead_used: drafts made while its prefix was fetched, and
         how many of them went to verify.
     """
     info = (stats or VeriCacheStats.plain("prompt still in prefill")).to_meta_info()
     info["compressed_kv_bytes"] = 0 if state is None else state.nbytes
+    info["compressed_prefix_reused_tokens"] = 0 if state is None else state.reused
     info["host_kv_tokens"] = 0 if span is None else span.host.length
     info["reserved_slots"] = 0 if span is None else int(span.reserved.numel())
     made, verified = ahead_used
@@ -92,6 +94,9 @@ class VeriCacheExporter:
         self._phase_steps = counter("step_phase_steps", "Decode steps in which each phase ran.",
                                     ("phase",))  # fmt: skip
         self._profiled = counter("profiled_steps", "Decode steps profiled (step_phase_seconds).")
+        self._prefill_s = counter("prefill_phase_seconds", "Prefill-step seconds by phase "
+                                  "(prefill, compress, offload, other): what a drafted "
+                                  "request's first token waits for.", ("phase",))  # fmt: skip
         self._draft_fwd = counter("draft_forwards", "Draft forwards over the compressed views.")
         self._transient = Gauge(
             "vericache:step_transient_bytes_peak",
@@ -115,6 +120,13 @@ class VeriCacheExporter:
         if profile.transient_bytes > self._transient_peak:
             self._transient_peak = profile.transient_bytes
             self._transient.labels(**lb).set(self._transient_peak)
+
+    def observe_prefill_profile(self, profile: StepProfile) -> None:
+        """One prefill step's profile (phases prefill, compress, offload)."""
+        lb = self._labels
+        for phase, seconds in profile.seconds.items():
+            self._prefill_s.labels(phase=phase.value, **lb).inc(seconds)
+        self._prefill_s.labels(phase="other", **lb).inc(profile.other)
 
     def observe_verify(self, rec: VerifyRecord, mode: DecodeMode) -> None:
         """One verification of a drafted (greedy or sampled) request."""

@@ -62,7 +62,7 @@ from sglang_vericache.srt.plugin import vericache_config
 from sglang_vericache.srt.remote_prefix import link_for
 from sglang_vericache.srt.request_book import RequestBook
 from sglang_vericache.verify.stats import DecodeMode
-from sglang_vericache.verify.step_profile import StepClock
+from sglang_vericache.verify.step_profile import Phase, StepClock
 
 logger = logging.getLogger(__name__)
 
@@ -161,7 +161,13 @@ class VeriCacheWorker(DecodeSteps, BaseSpecWorker):
         if batch.forward_mode.is_decode():  # who left the batch (aborted, retracted) is gone;
             self.book.keep_only({r.rid for r in batch.reqs})  # finished ones leave on release
         if batch.forward_mode.is_extend():
-            result = self._prefill(batch, pp_proxy_tensors)
+            self.clock.start(time.perf_counter())
+            try:
+                result = self._prefill(batch, pp_proxy_tensors)
+            finally:
+                profile = self.clock.finish(time.perf_counter())
+            if self.metrics is not None:
+                self.metrics.observe_prefill_profile(profile)
         else:
             self.clock.start(time.perf_counter())
             self.attn.clock = self.clock
@@ -212,6 +218,7 @@ class VeriCacheWorker(DecodeSteps, BaseSpecWorker):
             )
         finally:
             capture, self.attn.capture = self.attn.capture, None
+        self._lap(Phase.PREFILL)
         link = link_for(self.model_runner.req_to_token_pool)
         if link is not None:  # the tier link weighs fetching a prefix against recomputing it
             link.observe_prefill(int(batch.extend_num_tokens or 0), time.perf_counter() - started)
@@ -229,19 +236,38 @@ class VeriCacheWorker(DecodeSteps, BaseSpecWorker):
             if plain_reason(req) is not None or self.offload_only:
                 self.book.note_plain(req)
                 self._offload(req, rows[i], seq_lens[i], 0)  # offload-only rows: all of it
+                self._lap(Phase.OFFLOAD)
                 continue
             queries = [capture.queries[i].get(layer) if capture.queries else None
                        for layer in range(self.num_layers)]  # fmt: skip
-            state = RequestDraftState.build(
-                self.compressor, self.offloader.layer_reader(rows[i], seq_lens[i]), seq_lens[i],
-                queries, self.num_layers,
-            ).labelled(req, mode)  # fmt: skip
+            state = self._compress(req, rows[i], seq_lens[i], queries).labelled(req, mode)
             self.states[req.rid] = state
+            self._lap(Phase.COMPRESS)
             self._offload(req, rows[i], seq_lens[i], state.nbytes)
+            self._lap(Phase.OFFLOAD)
         bs = len(batch.reqs)
         ones = torch.ones(bs, dtype=torch.int32, device=self.device)
         return self._result(batch, out.next_token_ids, ones, batch.seq_lens.clone(),
                             out.logits_output)  # fmt: skip
+
+    def _compress(self, req: Any, row: int, length: int,
+                  queries: list[Any]) -> RequestDraftState:  # fmt: skip
+        """The compressed KV of ``req``'s ``length`` prompt positions. Where a stored compressed
+        prefix (an earlier turn of the conversation, kept by ``DraftAhead``) covers at least
+        half of them, a copy of it plus the new positions: compressing a long prompt again
+        is most of a drafted request's first-token time on a CPU. Else built from all of it."""
+        stored = None
+        if self.ahead is not None:
+            tokens = [*req.origin_input_ids, *req.output_ids][:length]
+            stored = self.ahead.store.longest(tokens)
+        if stored is not None and 2 * len(stored.tokens) >= length:
+            covered = len(stored.tokens)
+            return RequestDraftState.from_prefix(
+                stored.state, stored.trim, self.offloader.range_reader(row, covered, length),
+                length, queries,
+            )  # fmt: skip
+        return RequestDraftState.build(self.compressor, self.offloader.layer_reader(row, length),
+                                       length, queries, self.num_layers)  # fmt: skip
 
     def _meta_info(self, rid: str, row: int) -> dict[str, Any]:
         """``meta_info["vericache"]`` of one request (``srt/metrics.py``)."""

@@ -1,6 +1,6 @@
-"""Where a decode step's time goes: seconds per phase, draft forwards, peak transient bytes.
+"""Where a step's time goes: seconds per phase, draft forwards, peak transient bytes.
 
-The worker splits each decode step into phases and laps a clock at every boundary; phases may
+The worker splits each decode step (and each prefill step: prefill, compress, offload) into phases and laps a clock at every boundary; phases may
 repeat within a step (commit and offload alternate per row), their laps add up::
 
     step   |prepare|draft|draft|...|verify|commit|offload|commit|offload|...|
@@ -25,6 +25,9 @@ class Phase(StrEnum):
     PLAIN = "plain"  # a plain one-token decode forward (a step that does not draft)
     COMMIT = "commit"  # committed tokens appended to the compressed KV, stats
     OFFLOAD = "offload"  # committed full KV moved to host memory
+    # prefill (extend) steps: what a drafted request's first token waits for besides the forward
+    PREFILL = "prefill"  # the target's prefill forward
+    COMPRESS = "compress"  # drafted rows' compressed KV, built from their prompts
 
 
 @dataclass(frozen=True, slots=True)
