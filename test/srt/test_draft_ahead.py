@@ -119,6 +119,10 @@ def test_drafter_on_the_exact_prefix_matches_transformers(hf_model) -> None:
     with torch.no_grad():
         want = hf_model(torch.tensor([tokens])).logits[0]
     torch.testing.assert_close(logits, want[-1], atol=1e-4, rtol=1e-4)
+    # the same prefill in two chunks (drafting ahead pauses between them for the serving path)
+    _, chunked = drafter.prefill(_exact_state(hf_model, prefix).views(), suffix[:5], len(prefix),
+                                 len(suffix) - 5 + 4)  # fmt: skip
+    torch.testing.assert_close(drafter.extend(suffix[5:], chunked), want[-1], atol=1e-4, rtol=1e-4)
     step = drafter.step(7, kv)
     with torch.no_grad():
         want_step = hf_model(torch.tensor([tokens + [7]])).logits[0, -1]
@@ -141,6 +145,9 @@ def test_draft_ahead_drafts_the_greedy_continuation_on_its_thread(hf_model, kept
     assert hub.remember("r1", turn1[:kept] + [11] * (kept == 30))
     assert hub.store.longest(prompt).tokens == tuple(turn1[:kept])
     assert hub.start("r2", prompt, max_new_tokens=6)
+    time.sleep(0.3)
+    assert hub.drafts("r2") == []  # the serving path is busy: no compute taken from it
+    hub.serving_idle()
     deadline = time.monotonic() + 30
     while len(hub.drafts("r2")) < 6 and time.monotonic() < deadline:
         time.sleep(0.01)

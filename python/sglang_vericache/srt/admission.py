@@ -24,6 +24,10 @@ resident full KV when admission is short), so the second hook reopens admission 
 offloads have freed slots since the last attempt. The third records what an attempt lacked
 (``OffloadLedger.admission_deficit``): the pressure that makes the worker offload
 (``sglang_vericache.placement``); while nothing waits for memory, full KV stays in the pool.
+
+The fourth tells drafting ahead (``srt/draft_ahead.py``) that the serving path idles: SGLang
+calls ``on_idle`` whenever it has no batch to run, e.g. while every request waits for its
+prefix; the worker marks it busy again at its next forward.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ TARGET = (
 )
 PREFILL_TARGET = "sglang.srt.managers.scheduler.Scheduler._get_new_batch_prefill_raw"
 ADD_TARGET = "sglang.srt.managers.schedule_policy.PrefillAdder.add_one_req"
+IDLE_TARGET = "sglang.srt.managers.scheduler.Scheduler.on_idle"
 
 
 def vericache_future_tokens(sglang_estimate: float, reserved: int, offloaded: int,
@@ -102,9 +107,17 @@ def _add_one_req_around(original: Callable[..., Any], adder: Any, req: Any, *arg
     return result
 
 
+def _on_idle_around(original: Callable[..., Any], scheduler: Any, *args: Any, **kw: Any) -> Any:
+    ahead = getattr(scheduler.tree_cache, "ahead", None)
+    if ahead is not None:
+        ahead.serving_idle()
+    return original(scheduler, *args, **kw)
+
+
 def register_admission_hook() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     HookRegistry.register(TARGET, _running_offset_around, HookType.AROUND)
     HookRegistry.register(PREFILL_TARGET, _new_prefill_around, HookType.AROUND)
     HookRegistry.register(ADD_TARGET, _add_one_req_around, HookType.AROUND)
+    HookRegistry.register(IDLE_TARGET, _on_idle_around, HookType.AROUND)

@@ -14,6 +14,12 @@ exactly like any other draft, so output is unchanged whatever the drafter produc
 when its request is admitted (``halt``) or leaves (``forget``); the worker consumes the drafts
 as long as the committed tokens keep matching them.
 
+Drafts ahead use only compute the serving path leaves idle: the thread runs a forward (a
+chunk of the suffix's prefill, one draft step) only while the scheduler has no batch to run
+(``serving_idle``, from SGLang's idle hook) and stops at its next forward (``serving_busy``).
+On two CPU cores a draft made while others decode slows every one of their tokens to save one
+draft forward later; when every request waits for its prefix, the compute is free.
+
 Threading: ``start``/``halt``/``forget``/``drafts`` run on the scheduler thread, one daemon
 thread runs the jobs in order. A job's ``drafts`` list is only ever appended to, so a
 snapshot read from the scheduler thread is always a consistent prefix.
@@ -41,6 +47,8 @@ STORE_BYTES = 512 << 20  # compressed KV kept for finished sequences (LRU beyond
 AHEAD_MAX_TOKENS = 64  # drafts made per waiting request (more than a fetch usually allows)
 AHEAD_MAX_SUFFIX = 1024  # prompt tokens past the compressed prefix the drafter will prefill
 MAX_JOBS = 1024  # jobs remembered (a job lives from its request's fetch to its release)
+PREFILL_CHUNK = 32  # suffix tokens per drafter forward: how long the serving path may wait
+IDLE_POLL_S = 0.05  # how often a job waiting for idle compute checks whether it was halted
 
 
 @dataclass(slots=True)
@@ -142,6 +150,7 @@ class DraftAhead:
         self._thread: threading.Thread | None = None
         self.started = self.failed = self.skipped = 0
         self.prefill_s_per_token = 0.0  # the drafter's measured suffix prefill cost (0: none yet)
+        self._idle = threading.Event()  # set while the serving path has no batch to run
 
     def attach(self, model: Any) -> None:
         self.drafter = LlamaDrafter.from_model(model)
@@ -150,6 +159,14 @@ class DraftAhead:
                            "remote prefix are not drafted ahead", type(model).__name__)  # fmt: skip
 
     # -- the scheduler thread ----------------------------------------------------------------
+
+    def serving_idle(self) -> None:
+        """The scheduler has no batch to run: drafts may use the compute."""
+        self._idle.set()
+
+    def serving_busy(self) -> None:
+        """The scheduler runs a forward: drafting pauses after its current chunk or step."""
+        self._idle.clear()
 
     def park(self, rid: str, state: Any) -> None:
         """The worker hands over a finished request's compressed KV (before the cache sees it)."""
@@ -272,17 +289,34 @@ class DraftAhead:
                 self.failed += 1
                 logger.exception("drafting ahead for request %s failed", job.rid)
 
+    def _wait_idle(self, job: AheadJob) -> bool:
+        """Block until the serving path idles; False if ``job`` was halted meanwhile."""
+        while not job.stop.is_set():
+            if self._idle.wait(IDLE_POLL_S):
+                return not job.stop.is_set()
+        return False
+
     def _draft(self, job: AheadJob) -> None:
+        if not self._wait_idle(job):
+            return
         views = job.prefix.views()
+        first, rest = job.suffix[:PREFILL_CHUNK], job.suffix[PREFILL_CHUNK:]
+        busy = 0.0  # seconds in forwards: the cost estimate excludes waits for idle compute
         started = time.perf_counter()
-        logits, kv = self.drafter.prefill(views, job.suffix, len(job.prefix.tokens),
-                                          job.max_tokens)  # fmt: skip
-        per_token = (time.perf_counter() - started) / max(1, len(job.suffix))
-        self.prefill_s_per_token = ewma(self.prefill_s_per_token, per_token)
+        logits, kv = self.drafter.prefill(views, first, len(job.prefix.tokens),
+                                          len(rest) + job.max_tokens)  # fmt: skip
+        busy += time.perf_counter() - started
+        for i in range(0, len(rest), PREFILL_CHUNK):
+            if not self._wait_idle(job):
+                return
+            started = time.perf_counter()
+            logits = self.drafter.extend(rest[i : i + PREFILL_CHUNK], kv)
+            busy += time.perf_counter() - started
+        self.prefill_s_per_token = ewma(self.prefill_s_per_token, busy / max(1, len(job.suffix)))
         token = int(logits.argmax())
         while not job.stop.is_set():
             job.drafts.append(token)
-            if len(job.drafts) >= job.max_tokens:
+            if len(job.drafts) >= job.max_tokens or not self._wait_idle(job):
                 return
             token = int(self.drafter.step(token, kv).argmax())
 

@@ -108,11 +108,16 @@ class LlamaDrafter:
         return self._run(tokens, kv), kv
 
     @torch.inference_mode()
+    def extend(self, tokens: list[int], kv: DraftKV) -> Tensor:
+        """Run ``tokens`` after everything in ``kv`` (a prefill in chunks); logits of the
+        last one: [V]."""
+        if kv.ran + len(tokens) > kv.capacity:
+            raise ValueError("DraftKV is full: ask prefill for more capacity")
+        return self._run(tokens, kv)
+
     def step(self, token: int, kv: DraftKV) -> Tensor:
         """Run one token after everything in ``kv``; its logits: [V]."""
-        if kv.ran >= kv.capacity:
-            raise ValueError("DraftKV is full: ask prefill for more capacity")
-        return self._run([token], kv)
+        return self.extend([token], kv)
 
     # -- the forward -------------------------------------------------------------------------
 

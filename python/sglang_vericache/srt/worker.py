@@ -158,6 +158,8 @@ class VeriCacheWorker(DecodeSteps, BaseSpecWorker):
     # -- the scheduler's entry point -----------------------------------------------------------
 
     def forward_batch_generation(self, batch, on_publish=None, pp_proxy_tensors=None):
+        if self.ahead is not None:
+            self.ahead.serving_busy()  # drafting ahead takes only idle compute (draft_ahead.py)
         if batch.forward_mode.is_decode():  # who left the batch (aborted, retracted) is gone;
             self.book.keep_only({r.rid for r in batch.reqs})  # finished ones leave on release
         if batch.forward_mode.is_extend():
