@@ -33,6 +33,10 @@ sys.path.insert(0, str(REPO))
 from sglang_vericache.exactness.server import SGLangServer  # noqa: E402
 from sglang_vericache.models import ensure_default_model  # noqa: E402
 from sglang_vericache.exactness.tier_server import ServerProcess  # noqa: E402
+from benchmark.agentic_tool_calls import vericache_counters  # noqa: E402
+
+PHASE_METRICS = {"prefill steps": "vericache:prefill_phase_seconds",
+                 "decode steps": "vericache:step_phase_seconds"}  # fmt: skip
 
 
 def replay(urls: list[str], sessions: Path, out: Path, args: argparse.Namespace,
@@ -96,16 +100,30 @@ def main() -> None:
     with ExitStack() as stack:
         kv = stack.enter_context(ServerProcess("--bandwidth-mbps", str(args.bandwidth_mbps),
                                                capacity_gb=4.0))  # fmt: skip
-        extra = ["--vericache", "--vericache-tier", kv.spec]
+        extra = ["--vericache", "--vericache-tier", kv.spec, "--enable-metrics"]
         a, b = (stack.enter_context(SGLangServer(base + extra, log_path=work / f"vc-{n}.log"))
                 for n in "ab")  # fmt: skip
         runs["replicas, remote tier (VeriCache)"] = replay([a.url, b.url], sessions,
                                                            work / "remote.json", args)  # fmt: skip
+        phases = phase_seconds([vericache_counters(s.url) for s in (a, b)])
     report = summarize(runs, args)
+    report["vericache_phase_seconds"] = phases
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
     args.out.with_suffix(".md").write_text(markdown(report))
     print(markdown(report))
+
+
+def phase_seconds(counters: list[dict]) -> dict[str, dict[str, float]]:
+    """Seconds the VeriCache replicas spent per step phase, summed over replicas."""
+    out: dict[str, dict[str, float]] = {}
+    for kind, metric in PHASE_METRICS.items():
+        total: dict[str, float] = {}
+        for c in counters:
+            for phase, s in c.get(metric, {}).items():
+                total[phase] = round(total.get(phase, 0.0) + s, 2)
+        out[kind] = total
+    return out
 
 
 def summarize(runs: dict[str, dict], args: argparse.Namespace) -> dict:
@@ -145,6 +163,9 @@ def markdown(report: dict) -> str:
     same = ", ".join(f"{n}: {'yes' if ok else 'NO'}" for n, ok in report["identical_outputs"].items())
     lines += ["", f"Same answers as the single server: {same}.",
               f"Ratios compare `{rec}` with `{remote}`."]  # fmt: skip
+    for kind, phases in report.get("vericache_phase_seconds", {}).items():
+        spent = ", ".join(f"{p} {s:.1f}" for p, s in sorted(phases.items(), key=lambda x: -x[1]))
+        lines.append(f"VeriCache replicas, seconds in {kind} by phase (both replicas): {spent}.")
     return "\n".join(lines) + "\n"
 
 
