@@ -283,6 +283,7 @@ class RemotePrefixLink:
         # late, and a lookup answered meanwhile was not the tier's delay.
         self._expire_overdue_lookups(now)
         self._settle_fetches()
+        self._expire_overdue_fetches(now)
 
     def _finish_fetch(self, task_id: TaskId, result) -> None:
         landed, seconds = self.fetches.complete(task_id, result)
@@ -355,6 +356,25 @@ class RemotePrefixLink:
             logger.warning("tier lookup for request %s unanswered after %.1f s: recomputing, "
                            "and not asking the tier for %.0f s", rid, deadline,
                            self.bounds.retry_down_after_s)  # fmt: skip
+
+    def _expire_overdue_fetches(self, now: float) -> None:
+        """Fetches past their deadline (``LinkBounds``): release, recompute, tier down."""
+        bounds = self.bounds
+        rate = self.fetch_bytes_per_s or bounds.assumed_fetch_bytes_per_s
+        for rid, state in self.pending.items():
+            if state.phase is not PrefixPhase.FETCH:
+                continue
+            nbytes = sum(self.geometry.chunk_nbytes(k.num_tokens) for k in state.keys)
+            deadline = bounds.lookup_deadline_s + bounds.fetch_overdue_factor * nbytes / rate
+            if now - state.fetch_started <= deadline:
+                continue
+            self.fetches.release(rid)
+            state.phase = PrefixPhase.MISS
+            self.counters.overdue_fetches += 1
+            self._mark(False)
+            logger.warning("tier fetch for request %s not landed after %.1f s: recomputing, "
+                           "and not asking the tier for %.0f s", rid, deadline,
+                           bounds.retry_down_after_s)  # fmt: skip
 
     def expected_wait_s(self, rid: str) -> float | None:
         """Seconds until ``rid``'s pending lookup and fetch land (None: no estimate yet)."""

@@ -19,6 +19,12 @@ class LinkBounds:
     forget_unprobed_after_s: a waiting request the scheduler has not probed for this long is
         forgotten with its fetched KV (SGLang tells the prefix cache nothing when a request is
         aborted in the queue); one that was only waiting long starts its lookup again.
+    fetch_overdue_factor / assumed_fetch_bytes_per_s: a fetch still in flight after
+        ``lookup_deadline_s`` plus this factor times its expected transfer time (its bytes at
+        the link's measured bandwidth; at ``assumed_fetch_bytes_per_s`` before one is
+        measured) is abandoned: its requests recompute and the tier counts as down. A tier
+        that hangs mid-fetch would otherwise hold them until its client notices (LMCache's:
+        its 30 s request timeout).
     max_put_bytes / max_fetch_bytes: host bytes held by write-throughs / fetches in flight. A
         write-through past the cap is skipped (that prefix is written by a later turn), a
         fetch past it is not started (the request recomputes): memory stays bounded when the
@@ -28,6 +34,8 @@ class LinkBounds:
     lookup_deadline_s: float = 1.0
     retry_down_after_s: float = 5.0
     forget_unprobed_after_s: float = 60.0
+    fetch_overdue_factor: float = 4.0
+    assumed_fetch_bytes_per_s: float = 8e6
     max_put_bytes: int = 512 << 20
     max_fetch_bytes: int = 1 << 30
 
@@ -36,6 +44,8 @@ class LinkBounds:
             raise ValueError("lookup_deadline_s and forget_unprobed_after_s must be > 0")
         if min(self.max_put_bytes, self.max_fetch_bytes) <= 0:
             raise ValueError("max_put_bytes and max_fetch_bytes must be > 0")
+        if min(self.fetch_overdue_factor, self.assumed_fetch_bytes_per_s) <= 0:
+            raise ValueError("fetch_overdue_factor and assumed_fetch_bytes_per_s must be > 0")
         if self.retry_down_after_s < 0:
             raise ValueError("retry_down_after_s must be >= 0")
 
@@ -46,6 +56,7 @@ class RemoteCounters:
     hits_tokens: int = 0
     fetch_failures: int = 0
     overdue_lookups: int = 0
+    overdue_fetches: int = 0  # abandoned past their deadline (LinkBounds.fetch_overdue_factor)
     probes_skipped_down: int = 0
     puts_skipped_full: int = 0  # write-throughs past max_put_bytes
     fetches_skipped_full: int = 0  # fetches past max_fetch_bytes (recomputed)

@@ -132,6 +132,42 @@ def test_hung_server_costs_one_lookup_deadline_then_is_left_alone() -> None:
     server.stop()
 
 
+def test_hung_server_mid_fetch_costs_a_bounded_wait() -> None:
+    """A KV server that answers the lookup, then hangs while the fetch streams (SIGSTOP): the
+    fetch is abandoned after the lookup deadline plus four times its expected transfer time
+    (2.3 s here), before the client notices anything (zmq heartbeats: 5 s; LMCache's client:
+    its 30 s request timeout); the request recomputes and the tier counts as down."""
+    import os
+    import signal
+
+    server = ServerProcess("--bandwidth-mbps", "0.01")  # 8 chunks (8 KiB): ~0.8 s to stream
+    tier = ZmqTier(server.endpoint, TINY, timeout_s=30.0, connect_timeout_s=30.0)
+    rate = 16 * TINY.chunk_nbytes(C)  # assumed 16 chunks/s: 8 due in 0.5 s, overdue after 2.3
+    link = RemotePrefixLink(tier, bounds=LinkBounds(lookup_deadline_s=0.3,
+                                                    assumed_fetch_bytes_per_s=rate))
+    tokens = list(range(8 * C))
+    link.write_through(tokens, lambda s, e: _sequence_kv(e)[..., s:e, :])
+    _wait_puts(link, timeout=30)
+    assert link.probe("hung", tokens + [1], 0) == 8 * C
+    deadline = time.monotonic() + 10
+    while link.pending["hung"].phase is PrefixPhase.LOOKUP and time.monotonic() < deadline:
+        link.poll()
+        time.sleep(0.002)
+    assert link.pending["hung"].phase is PrefixPhase.FETCH
+    os.kill(server.proc.pid, signal.SIGSTOP)
+    try:
+        start = time.monotonic()
+        assert _settle(link, "hung", tokens + [1], 0, timeout=20) == 0
+        waited = time.monotonic() - start
+        assert waited < 3.5 and link.counters.overdue_fetches == 1, waited
+        assert link.take("hung", 0, 0) is None and not link.tier_up
+        assert link.fetch_bytes_in_flight() == 0  # its buffers went with it
+    finally:
+        os.kill(server.proc.pid, signal.SIGCONT)
+    link.close()
+    server.stop()
+
+
 def test_a_request_no_longer_probed_is_forgotten_with_its_buffers() -> None:
     """Aborted while queued: SGLang never calls the prefix cache again for it. Its fetched KV
     goes once it has not been probed for the bound; a live request probed meanwhile stays."""
