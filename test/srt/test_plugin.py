@@ -56,32 +56,42 @@ def test_sglang_resolves_our_platform_here() -> None:
     assert current_platform.get_default_attention_backend() == "torch_native"
 
 
-def _launch(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "sglang.launch_server", *args],
-        capture_output=True, text=True, timeout=timeout,
-    )  # fmt: skip
+BAD_FLAGS = [
+    (["--vericache-compressor", "nonsense"], ["--vericache-compressor", "streaming", "kivi"]),
+    (["--vericache-tier", "disk"], ["--vericache-tier", "zmq://HOST:PORT"]),
+    (["--vericache-draft-len", "65"], ["--vericache-draft-len", "auto", "0..64"]),
+    (["--vericache", "--radix-cache-backend", "radix"], ["--radix-cache-backend", "host memory"]),
+]
 
 
-def test_help_shows_the_vericache_group() -> None:
-    proc = _launch("--help")
+@pytest.fixture(scope="module")
+def launches() -> dict[tuple[str, ...], subprocess.CompletedProcess[str]]:
+    """``python -m sglang.launch_server ARGS`` for --help and every bad flag, all at once:
+    each is mostly SGLang's import (~15 s on 2 cores), so one after another they took a minute
+    more."""
+    argvs = [("--help",), *(tuple(args) for args, _ in BAD_FLAGS)]
+    procs = {argv: subprocess.Popen([sys.executable, "-m", "sglang.launch_server", *argv],
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for argv in argvs}  # fmt: skip
+    out = {}
+    for argv, proc in procs.items():
+        stdout, stderr = proc.communicate(timeout=240)
+        out[argv] = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+    return out
+
+
+def test_help_shows_the_vericache_group(launches) -> None:
+    proc = launches["--help",]
     assert proc.returncode == 0, proc.stderr[-2000:]
     for flag in ("VeriCache:", "--vericache", "--vericache-compressor", "--vericache-draft-len",
                  "--vericache-tier"):  # fmt: skip
         assert flag in proc.stdout
 
 
-@pytest.mark.parametrize(
-    "args, fragments",
-    [
-        (["--vericache-compressor", "nonsense"], ["--vericache-compressor", "streaming", "kivi"]),
-        (["--vericache-tier", "disk"], ["--vericache-tier", "zmq://HOST:PORT"]),
-        (["--vericache-draft-len", "65"], ["--vericache-draft-len", "auto", "0..64"]),
-        (["--vericache", "--radix-cache-backend", "radix"], ["--radix-cache-backend", "host memory"]),
-    ],
-)
-def test_bad_flag_fails_at_start_up_naming_the_flag(args: list[str], fragments: list[str]) -> None:
-    proc = _launch(*args)
+@pytest.mark.parametrize("args, fragments", BAD_FLAGS)
+def test_bad_flag_fails_at_start_up_naming_the_flag(launches, args: list[str],
+                                                    fragments: list[str]) -> None:  # fmt: skip
+    proc = launches[tuple(args)]
     assert proc.returncode == 2
     for fragment in fragments:
         assert fragment in proc.stderr
