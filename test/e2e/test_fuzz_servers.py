@@ -1,6 +1,6 @@
 """Seeded request fuzz: the shared plain server against the shared ``--vericache`` server.
 
-A CI-sized run of ``sglang_vericache.exactness.fuzz`` (200 requests over /generate and the
+A CI-sized run of ``sglang_vericache.exactness.fuzz`` (120 requests over /generate and the
 OpenAI endpoints, malformed ones included; about 2 s each on 2 cores): the same HTTP status for
 every request,
 identical greedy tokens, log-probs within tolerance, both servers alive and healthy at the end,
@@ -29,7 +29,7 @@ from sglang_vericache.exactness.fuzz_run import Target, fuzz
 pytestmark = [pytest.mark.sglang, pytest.mark.model, pytest.mark.timeout(1800)]
 
 SEED = int(os.environ.get("VERICACHE_FUZZ_SEED", "13"))
-REQUESTS = int(os.environ.get("VERICACHE_FUZZ_REQUESTS", "200"))
+REQUESTS = int(os.environ.get("VERICACHE_FUZZ_REQUESTS", "120"))
 EXCLUDE = [k for k in os.environ.get("VERICACHE_FUZZ_EXCLUDE", "").split(",") if k]
 TOLERANCE = fc.DEFAULT_TOLERANCE
 

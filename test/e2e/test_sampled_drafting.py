@@ -11,8 +11,8 @@ Power, documented honestly: for two samples of N per side at total-variation dis
 test's noncentrality is at least 2 N d^2 over any alternative (``power_at``). Power 0.9 against
 *every* alternative at TV 0.05 needs N = 3000-7000 per side (alpha 0.01, df 1-20): that is the
 long run, ``benchmark/sampled_distribution.py`` (results in ``benchmark/results/``). On 2 CI
-cores this test uses N_CI = 512 per side and a Bonferroni level of ALPHA / 8 per test: it detects
-any TV >= 0.14 (df 1), 0.17 (df 5), 0.18 (df 10) with power >= 0.9, TV 0.05 with power of only
+cores this test uses N_CI = 512 per side and a Bonferroni level of ALPHA / 4 per test: it detects
+any TV >= 0.135 (df 1), 0.165 (df 5), 0.18 (df 10) with power >= 0.9, TV 0.05 with power of only
 a few percent (each test prints its bound).
 Two guards keep it meaningful: the same test must reject a real wrong distribution (plain
 sampling at another temperature), and the ``--vericache`` samples must really have been drafted
@@ -43,7 +43,9 @@ pytestmark = [pytest.mark.sglang, pytest.mark.model, pytest.mark.timeout(3600)]
 N_CI = 512
 ALPHA = 0.01  # family-wise: every same-distribution test below runs at ALPHA / TESTS
 PROMPTS = ("The capital of France is", "Here is a list of fruits: apple, banana,")
-SETTINGS = [(p, t, tp) for p in PROMPTS for t, tp in ((0.7, 1.0), (1.0, 0.9))]
+# One setting per prompt (both temperature / top_p settings covered, half the samples of every
+# prompt x setting pair: this fixture was the suite's slowest, 4 min on 2 cores).
+SETTINGS = [(PROMPTS[0], 0.7, 1.0), (PROMPTS[1], 1.0, 0.9)]
 TESTS = 2 * len(SETTINGS)  # first token and first three tokens per setting
 WRONG_TEMPERATURE = 1.0  # plain at T=0.7 vs plain at this: a real, different distribution
 
