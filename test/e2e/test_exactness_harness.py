@@ -35,19 +35,34 @@ def run_harness(tmp_path: Path, *options: str) -> tuple[int, dict]:
     return proc.returncode, summary
 
 
-def test_control_plain_vs_plain_finds_no_divergence(tmp_path: Path) -> None:
-    rc, summary = run_harness(tmp_path)
+@pytest.fixture(scope="module")
+def control(tmp_path_factory) -> tuple[int, dict, Path]:
+    """Plain vs plain, its reference saved for the next run: (exit code, summary, cache)."""
+    tmp = tmp_path_factory.mktemp("control")
+    cache = tmp / "reference.json"
+    rc, summary = run_harness(tmp, "--reference-cache", str(cache))
+    return rc, summary, cache
+
+
+def test_control_plain_vs_plain_finds_no_divergence(control) -> None:
+    rc, summary, cache = control
     assert summary["total"] == len(PROMPTS)
     assert summary["divergent"] == 0 and summary["status"] == "identical"
-    assert rc == 0
+    assert rc == 0 and cache.exists()
     assert all(p["reference_len"] == 24 or p["reference_len"] > 0 for p in summary["prompts"])
 
 
-def test_sampled_candidate_with_another_seed_is_reported_divergent(tmp_path: Path) -> None:
-    rc, summary = run_harness(
-        tmp_path, "--temperature", "1.0",
-        "--reference-extra", "--random-seed 1", "--candidate-extra", "--random-seed 2",
-    )  # fmt: skip
+def test_a_different_model_is_reported_divergent_against_the_saved_reference(
+    control, tmp_path: Path
+) -> None:
+    """The candidate's model is changed (an RMSNorm epsilon far from the trained one), the
+    reference comes from the control's cache (only the candidate starts): the harness reports
+    where the greedy tokens part."""
+    _, first_run, cache = control
+    override = json.dumps({"rms_norm_eps": 4.0})
+    rc, summary = run_harness(tmp_path, "--reference-cache", str(cache),
+                              "--candidate-extra", f"--json-model-override-args '{override}'")
+    assert summary["reference_seconds"] == first_run["reference_seconds"]  # reused, not rerun
     assert rc == 1 and summary["status"] == "divergent"
     assert summary["divergent"] >= 1
     first = next(p for p in summary["prompts"] if not p["identical"])
