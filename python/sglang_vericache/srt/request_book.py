@@ -9,6 +9,10 @@ From its prefill until it leaves, a request is in exactly one of two tables:
   compressed KV was dropped to make room where drafting did not pay) move every committed
   token's KV to the host too.
 
+Between its prefill and the worker's next forward a request may also have ``after_prefill``
+work: building its compressed KV and moving its full KV to the host, left until its first
+token has gone out (the worker runs it first thing in its next forward).
+
 ``ahead_used`` (drafts made while its prefix was fetched, and how many went to verify) and the
 draft-length controller's acceptance estimate ride along. ``forget`` drops all of it
 (idempotent: a finish and the row's release both call it); ``keep_only`` drops requests that
@@ -17,7 +21,7 @@ left the decode batch (aborted, retracted). Scheduler thread only.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from sglang_vericache.srt.draft_length import DraftLengthController
 from sglang_vericache.srt.draft_state import RequestDraftState
@@ -39,10 +43,16 @@ class RequestBook:
         self.states: dict[str, RequestDraftState] = {}
         self.plain: dict[str, VeriCacheStats] = {}
         self.ahead_used: dict[str, list[int]] = {}
+        self.after_prefill: dict[str, Callable[[], None]] = {}
 
     def __len__(self) -> int:
         """Requests tracked (0 when idle: nothing leaked)."""
-        return len(self.states) + len(self.plain)
+        return len(self.states | self.plain | self.after_prefill)
+
+    def take_after_prefill(self) -> list[Callable[[], None]]:
+        """The pending after-prefill work, in prefill order; the table is empty after."""
+        work, self.after_prefill = list(self.after_prefill.values()), {}
+        return work
 
     def stats(self, rid: str) -> VeriCacheStats | None:
         state = self.states.get(rid)
@@ -79,6 +89,7 @@ class RequestBook:
                 del table[rid]
 
     def forget(self, rid: str) -> None:
+        self.after_prefill.pop(rid, None)  # finished at prefill, or aborted before its next step
         self.states.pop(rid, None)
         self.plain.pop(rid, None)
         self.ahead_used.pop(rid, None)  # reported in meta_info["vericache"] until now

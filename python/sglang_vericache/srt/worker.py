@@ -16,6 +16,11 @@ gets every extend (prefill) and decode batch. Per decode step and request::
              go back to the allocator; only the compressed KV's share stays reserved in the
              pool (``placement.py``, ``srt/offload.py``)
 
+A prefill step returns its first tokens before the rest of its work: each drafted request's
+compressed KV and the move of its full KV to the host run first thing in the worker's next
+forward (``RequestBook.after_prefill``), so they are not part of the time to first token, and
+a request that finishes at its first token never pays for them.
+
 Whether a step drafts at all, and how far, is decided per step from measured forward costs
 (``srt/draft_length.py``): where drafting would commit fewer tokens per second than plain
 decoding, the step is a plain one.
@@ -35,6 +40,7 @@ from __future__ import annotations
 
 import logging
 import time
+from functools import partial
 from typing import Any
 
 import torch
@@ -160,6 +166,7 @@ class VeriCacheWorker(DecodeSteps, BaseSpecWorker):
     def forward_batch_generation(self, batch, on_publish=None, pp_proxy_tensors=None):
         if self.ahead is not None:
             self.ahead.serving_busy()  # drafting ahead takes only idle compute (draft_ahead.py)
+        self._settle_prefills()  # the last prefill's first tokens are out by now
         if batch.forward_mode.is_decode():  # who left the batch (aborted, retracted) is gone;
             self.book.keep_only({r.rid for r in batch.reqs})  # finished ones leave on release
         if batch.forward_mode.is_extend():
@@ -237,20 +244,44 @@ class VeriCacheWorker(DecodeSteps, BaseSpecWorker):
                 self.metrics.observe_request(mode)
             if plain_reason(req) is not None or self.offload_only:
                 self.book.note_plain(req)
-                self._offload(req, rows[i], seq_lens[i], 0)  # offload-only rows: all of it
-                self._lap(Phase.OFFLOAD)
-                continue
-            queries = [capture.queries[i].get(layer) if capture.queries else None
-                       for layer in range(self.num_layers)]  # fmt: skip
-            state = self._compress(req, rows[i], seq_lens[i], queries).labelled(req, mode)
-            self.states[req.rid] = state
-            self._lap(Phase.COMPRESS)
-            self._offload(req, rows[i], seq_lens[i], state.nbytes)
-            self._lap(Phase.OFFLOAD)
+                queries = None  # offload-only rows: all of it moves, nothing is compressed
+            else:
+                queries = [capture.queries[i].get(layer) if capture.queries else None
+                           for layer in range(self.num_layers)]  # fmt: skip
+            self.book.after_prefill[req.rid] = partial(self._settle_prefill, req, rows[i],
+                                                       seq_lens[i], queries, mode)  # fmt: skip
         bs = len(batch.reqs)
         ones = torch.ones(bs, dtype=torch.int32, device=self.device)
         return self._result(batch, out.next_token_ids, ones, batch.seq_lens.clone(),
                             out.logits_output)  # fmt: skip
+
+    def _settle_prefill(self, req: Any, row: int, length: int, queries: list[Any] | None,
+                        mode: DecodeMode) -> None:  # fmt: skip
+        """After ``req``'s first token went out: its compressed KV (``queries`` None: a plain
+        row, none) and the move of its full KV to the host (``_offload``)."""
+        nbytes = 0
+        if queries is not None:
+            state = self._compress(req, row, length, queries).labelled(req, mode)
+            self.states[req.rid] = state
+            nbytes = state.nbytes
+            self._lap(Phase.COMPRESS)
+        self._offload(req, row, length, nbytes)
+        self._lap(Phase.OFFLOAD)
+
+    def _settle_prefills(self) -> None:
+        """The work prefill steps left for after their first tokens (``RequestBook``), timed as
+        prefill work (``vericache:prefill_phase_seconds``)."""
+        work = self.book.take_after_prefill()
+        if not work:
+            return
+        self.clock.start(time.perf_counter())
+        try:
+            for settle in work:
+                settle()
+        finally:
+            profile = self.clock.finish(time.perf_counter())
+        if self.metrics is not None:
+            self.metrics.observe_prefill_profile(profile)
 
     def _compress(self, req: Any, row: int, length: int,
                   queries: list[Any]) -> RequestDraftState:  # fmt: skip
