@@ -61,16 +61,21 @@ class HostKV:
             (*self._shape, capacity, self._head_dim), dtype=self._dtype, pin_memory=pin
         )
 
-    def append(self, kv: Tensor) -> None:
-        """kv: [L, 2, H_kv, n, D] in the pool dtype (any device), appended after ``length``."""
-        n = kv.shape[3]
+    def append(self, n: int, read: Callable[[int], tuple[Tensor, Tensor]]) -> None:
+        """Append ``n`` tokens after ``length``: read(layer) -> (K, V), each [H_kv, n, D] in the
+        pool dtype (any device; views of the pool are fine). Each layer is copied straight
+        into the buffer: no [L, 2, H_kv, n, D] staging copy of the whole row."""
         if self.length + n > self._buf.shape[3]:
             cap = self._buf.shape[3]
             grown = self._alloc(max(cap + cap // 4, self.length + n) + HOST_ROOM)
             grown[..., : self.length, :] = self._buf[..., : self.length, :]
             self._buf = grown
-        self._buf[..., self.length : self.length + n, :].copy_(kv)
-        self.length += n
+        end = self.length + n
+        for layer in range(self._shape[0]):
+            keys, values = read(layer)
+            self._buf[layer, 0, :, self.length : end].copy_(keys)
+            self._buf[layer, 1, :, self.length : end].copy_(values)
+        self.length = end
 
     def layer(self, layer: int, start: int, end: int) -> tuple[Tensor, Tensor]:
         """Host K and V of buffered tokens [start, end) of one layer: each [H_kv, n, D]."""
@@ -155,19 +160,20 @@ class OffloadLedger:
     def span(self, row: int) -> OffloadedRow | None:
         return self.rows.get(row)
 
-    def offload(self, row: int, lo: int, kv: Tensor) -> OffloadedRow:
-        """Record kv ([L, 2, H_kv, n, D]) as positions [lo, lo+n) of ``row``, or append it.
+    def offload(self, row: int, lo: int, n: int, read: Callable[[int], tuple[Tensor, Tensor]],
+                new_host: Callable[[], HostKV]) -> OffloadedRow:  # fmt: skip
+        """Record ``n`` tokens (``read`` as in ``HostKV.append``) as positions [lo, lo+n) of
+        ``row`` in a new host buffer (``new_host()``), or append them to its buffer.
 
         A row already offloaded must continue exactly at its ``hi``.
         """
         entry = self.rows.get(row)
         if entry is None:
-            entry = OffloadedRow(lo=lo, host=HostKV(kv.shape[0], kv.shape[2], kv.shape[4],
-                                                   kv.dtype))  # fmt: skip
+            entry = OffloadedRow(lo=lo, host=new_host())
             self.rows[row] = entry
         elif entry.hi != lo:
             raise ValueError(f"row {row}: offload at {lo} but its host range ends at {entry.hi}")
-        entry.host.append(kv)
+        entry.host.append(n, read)
         return entry
 
     def release(self, row: int) -> OffloadedRow | None:
@@ -242,11 +248,6 @@ def read_pool_kv(pool: Any, layer_id: int, slots: Tensor, *, view_ok: bool = Fal
             run = slice(first, first + n)
             return k_buf[run].transpose(0, 1), v_buf[run].transpose(0, 1)
     return k_buf[slots].transpose(0, 1), v_buf[slots].transpose(0, 1)
-
-
-def read_pool_all_layers(pool: Any, slots: Tensor, num_layers: int) -> Tensor:
-    """Full KV of ``slots`` ([n]) from every layer: [L, 2, H_kv, n, D]."""
-    return torch.stack([torch.stack(read_pool_kv(pool, layer, slots)) for layer in range(num_layers)])
 
 
 def write_pool_all_layers(pool: Any, slots: Tensor, kv: Tensor) -> None:

@@ -23,9 +23,9 @@ from torch import Tensor
 from sglang_vericache.srt.offload import (
     PLACEHOLDER_SLOT,
     TAIL_CHUNK,
+    HostKV,
     OffloadLedger,
     ledger_for,
-    read_pool_all_layers,
     read_pool_kv,
     slot_bytes,
     write_pool_all_layers,
@@ -112,13 +112,18 @@ class PoolOffloader:
         if hi - lo < max(min_tokens, 1):
             return OffloadResult()
         slots = self.table[row, lo:hi].to(torch.int64)
-        entry = self.ledger.offload(row, lo, read_pool_all_layers(self.pool, slots, self.num_layers))
+        read = lambda layer: read_pool_kv(self.pool, layer, slots, view_ok=True)  # noqa: E731
+        entry = self.ledger.offload(row, lo, hi - lo, read, self._new_host)
         self.table[row, lo:hi] = PLACEHOLDER_SLOT
         own = slots if tree is None else tree.adopt(req, slots, owned_from)
         self.allocator.free(own)
         self.ledger.freed_slots += hi - lo
         held = self._reserve(entry, compressed_bytes)
         return OffloadResult(moved=hi - lo, reserved=held)
+
+    def _new_host(self) -> HostKV:
+        keys = self.pool.get_key_buffer(0)  # [slots, H_kv, D]
+        return HostKV(self.num_layers, keys.shape[1], keys.shape[2], keys.dtype)
 
     def _reserve(self, entry: Any, compressed_bytes: int) -> int:
         """Hold pool slots worth ``compressed_bytes`` for the row (its share of the budget)."""
