@@ -287,8 +287,9 @@ class VeriCacheWorker(DecodeSteps, BaseSpecWorker):
                   queries: list[Any]) -> RequestDraftState:  # fmt: skip
         """The compressed KV of ``req``'s ``length`` prompt positions. Where a stored compressed
         prefix (an earlier turn of the conversation, kept by ``DraftAhead``) covers at least
-        half of them, a copy of it plus the new positions: compressing a long prompt again
-        is most of a drafted request's first-token time on a CPU. Else built from all of it."""
+        half of them, a copy of it plus the new positions (compression costs in proportion to
+        the tokens compressed, and a conversation's turn is mostly its earlier turns). Else
+        built from all of it."""
         stored = None
         if self.ahead is not None:
             tokens = [*req.origin_input_ids, *req.output_ids][:length]
