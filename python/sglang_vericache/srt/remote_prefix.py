@@ -39,8 +39,6 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
-from enum import Enum
 from typing import Callable, Sequence
 
 from torch import Tensor
@@ -52,6 +50,7 @@ from sglang_vericache.tier.geometry import KVGeometry
 from sglang_vericache.tier.keys import ChunkKey
 from sglang_vericache.tier.layout import join_chunks, split_chunks
 from sglang_vericache.tier.link_bounds import LinkBounds, RemoteCounters
+from sglang_vericache.tier.pending_prefix import PendingPrefix, PrefixPhase
 from sglang_vericache.tier.shared_fetch import SharedFetches
 
 logger = logging.getLogger(__name__)
@@ -65,32 +64,6 @@ def link_for(req_to_token_pool: object) -> "RemotePrefixLink | None":
     """The tier link of the prefix cache that shares ``req_to_token_pool`` with the worker
     (the worker reports this server's prefill speed to it), None without a remote tier."""
     return getattr(req_to_token_pool, LINK_ATTR, None)
-
-
-class PrefixPhase(Enum):
-    """Where a waiting request's tier prefix stands: LOOKUP (asking which chunks the tier
-    holds) -> FETCH (getting them) -> READY (arrived, verified); MISS at any point (nothing to
-    load: recompute)."""
-
-    LOOKUP = "lookup"
-    FETCH = "fetch"
-    READY = "ready"
-    MISS = "miss"
-
-
-@dataclass(slots=True)
-class _Pending:
-    """One waiting request: the chunks past its device match and its lookup task (its fetch
-    is in ``SharedFetches``, shared with requests waiting for the same chunks)."""
-
-    first_chunk: int
-    keys: list[ChunkKey]
-    task: TaskId | None
-    phase: PrefixPhase
-    chunks_ok: int = 0
-    created: float = field(default_factory=time.monotonic)  # also: when the lookup started
-    probed: float = field(default_factory=time.monotonic)  # the scheduler's latest probe
-    fetch_started: float = 0.0
 
 
 class RemotePrefixLink:
@@ -114,7 +87,7 @@ class RemotePrefixLink:
         self._reopen = reopen
         self._epoch: bytes | None = None  # the tier epoch that _stored was learned under
         self.chunk = self.geometry.chunk_tokens
-        self.pending: dict[str, _Pending] = {}
+        self.pending: dict[str, PendingPrefix] = {}
         self.fetches = SharedFetches(tier)
         self._puts: dict[TaskId, tuple[list[ChunkKey], list[Tensor]]] = {}
         self._stored: OrderedDict[bytes, None] = OrderedDict()
@@ -155,7 +128,7 @@ class RemotePrefixLink:
                 self.counters.probes_skipped_down += 1
                 return 0  # known down: recompute without asking it
             keys = chunk_keys(self.geometry, list(tokens[:end]))[first:]
-            state = _Pending(first, keys, self.tier.submit_lookup(keys), PrefixPhase.LOOKUP)
+            state = PendingPrefix(first, keys, self.tier.submit_lookup(keys), PrefixPhase.LOOKUP)
             self.pending[rid] = state
             self.counters.lookups += 1
         state.probed = time.monotonic()
@@ -360,12 +333,10 @@ class RemotePrefixLink:
     def _expire_overdue_fetches(self, now: float) -> None:
         """Fetches past their deadline (``LinkBounds``): release, recompute, tier down."""
         bounds = self.bounds
-        rate = self.fetch_bytes_per_s or bounds.assumed_fetch_bytes_per_s
         for rid, state in self.pending.items():
             if state.phase is not PrefixPhase.FETCH:
                 continue
-            nbytes = sum(self.geometry.chunk_nbytes(k.num_tokens) for k in state.keys)
-            deadline = bounds.lookup_deadline_s + bounds.fetch_overdue_factor * nbytes / rate
+            deadline = bounds.fetch_deadline_s(state.nbytes(self.geometry), self.fetch_bytes_per_s)
             if now - state.fetch_started <= deadline:
                 continue
             self.fetches.release(rid)
@@ -381,7 +352,7 @@ class RemotePrefixLink:
         state = self.pending.get(rid)
         if state is None or not self.fetch_bytes_per_s:
             return None
-        left = sum(self.geometry.chunk_nbytes(k.num_tokens) for k in state.keys)
+        left = state.nbytes(self.geometry)
         if state.phase is PrefixPhase.FETCH:
             left -= (time.monotonic() - state.fetch_started) * self.fetch_bytes_per_s
         return max(left, 0) / self.fetch_bytes_per_s

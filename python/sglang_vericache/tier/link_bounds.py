@@ -50,6 +50,13 @@ class LinkBounds:
             raise ValueError("retry_down_after_s must be >= 0")
 
 
+    def fetch_deadline_s(self, nbytes: int, measured_bytes_per_s: float) -> float:
+        """Seconds a fetch of ``nbytes`` may stream before it is abandoned (0 bytes/s: none
+        measured yet, ``assumed_fetch_bytes_per_s`` stands in)."""
+        rate = measured_bytes_per_s or self.assumed_fetch_bytes_per_s
+        return self.lookup_deadline_s + self.fetch_overdue_factor * nbytes / rate
+
+
 @dataclass(slots=True)
 class RemoteCounters:
     lookups: int = 0

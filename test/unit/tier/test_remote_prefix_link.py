@@ -5,10 +5,11 @@ from __future__ import annotations
 import time
 
 import torch
-from sglang_vericache.srt.remote_prefix import PrefixPhase, RemotePrefixLink
+from sglang_vericache.srt.remote_prefix import RemotePrefixLink
 from sglang_vericache.tier.client import ZmqTier
 from sglang_vericache.tier.host import HostTier
 from sglang_vericache.tier.link_bounds import LinkBounds
+from sglang_vericache.tier.pending_prefix import PrefixPhase
 from tier_testlib import TINY, ServerProcess
 
 C = TINY.chunk_tokens  # 8
