@@ -27,8 +27,8 @@ def request_meta_info(stats: VeriCacheStats | None, state: Any, span: Any,
         greedy / sampled / plain (then ``plain_reason`` says why), ``accept_rate`` and
         ``mean_accept_len`` its acceptance. state: its ``RequestDraftState`` or None; span: its
         offload ledger entry or None (``compressed_prefix_reused_tokens``: prompt positions
-        whose compressed KV came from an earlier turn's, not compressed again); ahead_used: drafts made while its prefix was fetched, and
-        how many of them went to verify.
+        whose compressed KV came from an earlier turn's, not compressed again); ahead_used:
+        drafts made while its prefix was fetched, and how many of them went to verify.
     """
     info = (stats or VeriCacheStats.plain("prompt still in prefill")).to_meta_info()
     info["compressed_kv_bytes"] = 0 if state is None else state.nbytes

@@ -41,7 +41,7 @@ from __future__ import annotations
 import logging
 import time
 from functools import partial
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
@@ -170,13 +170,7 @@ class VeriCacheWorker(DecodeSteps, BaseSpecWorker):
         if batch.forward_mode.is_decode():  # who left the batch (aborted, retracted) is gone;
             self.book.keep_only({r.rid for r in batch.reqs})  # finished ones leave on release
         if batch.forward_mode.is_extend():
-            self.clock.start(time.perf_counter())
-            try:
-                result = self._prefill(batch, pp_proxy_tensors)
-            finally:
-                profile = self.clock.finish(time.perf_counter())
-            if self.metrics is not None:
-                self.metrics.observe_prefill_profile(profile)
+            result = self._as_prefill_work(lambda: self._prefill(batch, pp_proxy_tensors))
         else:
             self.clock.start(time.perf_counter())
             self.attn.clock = self.clock
@@ -272,16 +266,19 @@ class VeriCacheWorker(DecodeSteps, BaseSpecWorker):
         """The work prefill steps left for after their first tokens (``RequestBook``), timed as
         prefill work (``vericache:prefill_phase_seconds``)."""
         work = self.book.take_after_prefill()
-        if not work:
-            return
+        if work:
+            self._as_prefill_work(lambda: [settle() for settle in work])
+
+    def _as_prefill_work(self, run: Callable[[], Any]) -> Any:
+        """``run()``, its laps profiled as prefill work (``vericache:prefill_phase_seconds``)."""
         self.clock.start(time.perf_counter())
         try:
-            for settle in work:
-                settle()
+            result = run()
         finally:
             profile = self.clock.finish(time.perf_counter())
         if self.metrics is not None:
             self.metrics.observe_prefill_profile(profile)
+        return result
 
     def _compress(self, req: Any, row: int, length: int,
                   queries: list[Any]) -> RequestDraftState:  # fmt: skip

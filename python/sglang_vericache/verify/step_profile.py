@@ -1,7 +1,8 @@
 """Where a step's time goes: seconds per phase, draft forwards, peak transient bytes.
 
-The worker splits each decode step (and each prefill step: prefill, compress, offload) into phases and laps a clock at every boundary; phases may
-repeat within a step (commit and offload alternate per row), their laps add up::
+The worker splits each decode step (and each prefill step: prefill, compress, offload) into
+phases and laps a clock at every boundary; phases may repeat within a step (commit and offload
+alternate per row), their laps add up::
 
     step   |prepare|draft|draft|...|verify|commit|offload|commit|offload|...|
            ^start                                                         ^finish
