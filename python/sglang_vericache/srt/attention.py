@@ -3,9 +3,14 @@
 Three forward kinds reach it (``AttentionBackend.forward`` dispatches DECODE to
 ``forward_decode``, everything else to ``forward_extend``):
 
-- EXTEND (prefill): the stock torch_native path, so prompt KV is bit-identical to plain SGLang's.
-  While the worker holds a ``QueryCapture``, the last W queries of each request are recorded for
-  the compressors that score by attention (SnapKV, H2O).
+- EXTEND (prefill): a batch of fresh prompts takes the stock torch_native path (prompt KV
+  bit-identical to plain SGLang's). Where a request extends a prefix (a radix hit, a fetched tier
+  prefix, a later chunk of a chunked prefill), its new tokens' queries attend over [0, seq_len)
+  with a causal mask offset by the prefix: O(new x L), where torch_native runs a (discarded)
+  query for every prefix position too, O(L^2), so a cached prefix saved only its MLP work. This
+  is what FlashInfer's and Triton's prefill do on a GPU. While the worker holds a
+  ``QueryCapture``, the last W queries of each request are recorded for the compressors that
+  score by attention (SnapKV, H2O).
 - DECODE while the worker holds a ``DraftPlan`` (drafting): each request attends over its
   compressed view of the committed context plus the full-precision KV of its own draft chain,
   in place in the view's buffer (``srt/draft_attention.py``)::
@@ -13,9 +18,9 @@ Three forward kinds reach it (``AttentionBackend.forward`` dispatches DECODE to
       positions   0 ............. base-1 | base ... seq_len-1
       keys        compressed view (kept / | pool slots written by this
                   dequantized tokens)     | step's draft forwards
-- TARGET_VERIFY: the draft is checked against the full KV with one masked SDPA per request over
-  [0, base + D). Stock torch_native's extend would run a query for every prefix position
-  (O(L^2): 16 s for one verify at 8k); this is O(D * L).
+- TARGET_VERIFY: the draft is checked against the full KV with the same masked attention, D
+  queries per request over [0, base + D): O(D * L) (stock torch_native's extend would take 16 s
+  for one verify at 8k).
 
 The full KV of a request is read through the offload ledger (``srt/offload.py``): positions the
 worker moved to host memory come from there, the rest from the pool. Plain DECODE steps over a
@@ -29,6 +34,7 @@ from typing import TYPE_CHECKING
 
 import torch
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+from sglang.srt.layers.radix_attention import AttentionType
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 from torch.nn.functional import scaled_dot_product_attention
 
@@ -39,6 +45,10 @@ from sglang_vericache.verify.step_profile import StepClock
 if TYPE_CHECKING:
     from sglang.srt.layers.radix_attention import RadixAttention
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+
+# Most queries of one request attended at once by the masked path (its mask is [block, L] bool).
+QUERY_BLOCK = 1024
+
 
 @dataclass(slots=True)
 class QueryCapture:
@@ -90,35 +100,54 @@ class VeriCacheAttnBackend(TorchNativeAttnBackend):
         return self.ledger.read(self.token_to_kv_pool, table, layer_id, row, end)
 
     def forward_extend(self, q, k, v, layer: RadixAttention, fb: ForwardBatch, save_kv_cache=True):
+        q3 = q.view(-1, layer.tp_q_head_num, layer.qk_head_dim)
         if fb.forward_mode.is_target_verify():
-            return self._forward_verify(q, k, v, layer, fb, save_kv_cache)
-        out = super().forward_extend(q, k, v, layer, fb, save_kv_cache)
-        if self.capture is not None and fb.extend_seq_lens_cpu is not None:
-            q3 = q.view(-1, layer.tp_q_head_num, layer.qk_head_dim)
-            self.capture.record(layer.layer_id, q3, list(fb.extend_seq_lens_cpu))
+            n_tok = fb.spec_info.draft_token_num  # seq_lens are the committed KV: drafts follow
+            new = [n_tok] * len(fb.seq_lens_cpu)
+            ends = [base + n_tok for base in fb.seq_lens_cpu.tolist()]
+            out = self._attend_new_tokens(q, k, v, layer, fb, new, ends, save_kv_cache)
+        elif _extends_a_prefix(layer, fb):  # seq_lens include the extended tokens
+            new = list(fb.extend_seq_lens_cpu)
+            ends = fb.seq_lens_cpu.tolist()
+            out = self._attend_new_tokens(q, k, v, layer, fb, new, ends, save_kv_cache)
+        else:
+            new = fb.extend_seq_lens_cpu
+            out = super().forward_extend(q, k, v, layer, fb, save_kv_cache)
+        if self.capture is not None and new is not None:
+            self.capture.record(layer.layer_id, q3, list(new))
         return out
 
-    def _forward_verify(self, q, k, v, layer: RadixAttention, fb: ForwardBatch, save_kv_cache):
+    def _attend_new_tokens(self, q, k, v, layer: RadixAttention, fb: ForwardBatch,
+                           new: list[int], ends: list[int], save_kv_cache: bool):  # fmt: skip
+        """Causal attention of each request's ``new[i]`` last positions over its full KV: row i's
+        queries are positions [end - new[i], end) (end = ``ends[i]``) and attend over [0, end),
+        read through the offload ledger (host ranges included)::
+
+            keys      0 ..................... end - n | ............ end
+            query j   sees every key <= its position  | (causal within the new tokens)
+
+        q: [sum(new), H_q * D]; returns [sum(new), H_q * D_v]. Queries go in blocks of at most
+        ``QUERY_BLOCK`` so the mask stays small at long contexts."""
         self._write_kv(layer, fb, k, v, save_kv_cache)
-        n_tok = fb.spec_info.draft_token_num
         q3 = q.view(-1, layer.tp_q_head_num, layer.qk_head_dim)
         out = q.new_empty((q3.shape[0], layer.tp_q_head_num, layer.v_head_dim))
-        if self.capture is not None:
-            self.capture.record(layer.layer_id, q3, [n_tok] * len(fb.seq_lens_cpu))
         gqa = layer.tp_q_head_num != layer.tp_k_head_num
-        for i, base in enumerate(fb.seq_lens_cpu.tolist()):
-            row = int(fb.req_pool_indices[i])
-            keys, values = self._full_kv(layer.layer_id, row, base + n_tok)
+        start = 0
+        for i, end in enumerate(ends):
+            n, row = new[i], int(fb.req_pool_indices[i])
+            keys, values = self._full_kv(layer.layer_id, row, end)
             if self.clock is not None and _copied(keys):  # gathered, not read in place
                 self.clock.note_transient(2 * keys.numel() * keys.element_size())
-            qi = q3[i * n_tok : (i + 1) * n_tok].transpose(0, 1)  # [H_q, D_tok, D]
-            q_pos = torch.arange(base, base + n_tok, device=q.device)[:, None]
-            mask = torch.arange(base + n_tok, device=q.device)[None, :] <= q_pos
-            o = scaled_dot_product_attention(
-                qi.unsqueeze(0), keys.unsqueeze(0).to(qi.dtype), values.unsqueeze(0).to(qi.dtype),
-                attn_mask=mask, scale=layer.scaling, enable_gqa=gqa,
-            )  # fmt: skip
-            out[i * n_tok : (i + 1) * n_tok] = o.squeeze(0).transpose(0, 1)
+            keys, values = keys.unsqueeze(0).to(q3.dtype), values.unsqueeze(0).to(q3.dtype)
+            for lo in range(0, n, QUERY_BLOCK):
+                hi = min(n, lo + QUERY_BLOCK)
+                qi = q3[start + lo : start + hi].transpose(0, 1)  # [H_q, hi - lo, D]
+                q_pos = torch.arange(end - n + lo, end - n + hi, device=q.device)
+                mask = torch.arange(end, device=q.device)[None, :] <= q_pos[:, None]
+                o = scaled_dot_product_attention(qi.unsqueeze(0), keys, values, attn_mask=mask,
+                                                 scale=layer.scaling, enable_gqa=gqa)  # fmt: skip
+                out[start + lo : start + hi] = o.squeeze(0).transpose(0, 1)
+            start += n
         return out.view(-1, layer.tp_q_head_num * layer.v_head_dim)
 
     def forward_decode(self, q, k, v, layer: RadixAttention, fb: ForwardBatch, save_kv_cache=True):
@@ -152,6 +181,17 @@ class VeriCacheAttnBackend(TorchNativeAttnBackend):
             q3, lid, self.token_to_kv_pool.get_key_buffer(lid),
             self.token_to_kv_pool.get_value_buffer(lid), chains, layer.scaling,
         )  # fmt: skip
+
+
+def _extends_a_prefix(layer: RadixAttention, fb: ForwardBatch) -> bool:
+    """An extend where some request continues KV already in place (radix hit, fetched prefix,
+    later prefill chunk), of a plain causal self-attention layer: the O(new x L) path serves it.
+    Cross, encoder-only and sliding-window layers keep torch_native's path."""
+    prefix = fb.extend_prefix_lens_cpu
+    return bool(prefix) and any(prefix) and fb.extend_seq_lens_cpu is not None and not (
+        layer.is_cross_attention or layer.attn_type == AttentionType.ENCODER_ONLY
+        or (layer.sliding_window_size is not None and layer.sliding_window_size > -1)
+        or fb.encoder_lens is not None)  # fmt: skip
 
 
 def _copied(t: torch.Tensor) -> bool:
