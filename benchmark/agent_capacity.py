@@ -11,7 +11,11 @@ prefix comes back, but most were evicted meanwhile. Side by side, same sessions,
   fetched back (or recomputed where the server measures that as faster), drafting starts once
   it has landed (``--vericache-fetch-drafting off``);
 - ``VeriCache, draft while fetching``: the same, drafting from the local compressed prefix while
-  the full KV streams in.
+  the full KV streams in;
+- ``plain SGLang, vericache attention``: plain SGLang with ``--attention-backend vericache`` (no
+  ``--vericache``): a prefix hit costs what it costs VeriCache (its extend attends only the new
+  tokens' queries; torch_native's recomputes the prefix's attention too). The ratio against it
+  is what the tier and the compressed KV buy; against plain SGLang, what ``--vericache`` buys.
 
     python benchmark/agent_capacity.py       # 16 sessions x 5 turns x 32 tokens, budget of ~4
 
@@ -39,8 +43,11 @@ from sglang_vericache.exactness.server import SGLangServer  # noqa: E402
 from sglang_vericache.exactness.tier_server import ServerProcess  # noqa: E402
 
 PLAIN = "plain SGLang"
-CONFIGS = {PLAIN: None, "VeriCache, fetch then decode": "off",
-           "VeriCache, draft while fetching": "on"}  # fmt: skip
+SAME_ATTENTION = "plain SGLang, vericache attention"
+# name -> --vericache-fetch-drafting (None: a plain server) and more server flags
+CONFIGS = {PLAIN: (None, []), "VeriCache, fetch then decode": ("off", []),
+           "VeriCache, draft while fetching": ("on", []),
+           SAME_ATTENTION: (None, ["--attention-backend", "vericache"])}  # fmt: skip
 
 
 def budget_tokens(sessions: Path, holds: int, answer_tokens: int, system_tokens: int) -> int:
@@ -142,6 +149,10 @@ def markdown(report: dict) -> str:
                                                    f"{c['all']['ttft_s']['p90']:.2f}")
     speedup = lambda c: plain["all"]["e2e_s"]["median"] / c["all"]["e2e_s"]["median"]  # noqa: E731
     row("median E2E, plain / this", lambda c: f"**{speedup(c):.2f}x**")
+    if SAME_ATTENTION in cfg:
+        same = cfg[SAME_ATTENTION]["all"]["e2e_s"]["median"]
+        row(f"median E2E, {SAME_ATTENTION} / this",
+            lambda c: f"{same / c['all']['e2e_s']['median']:.2f}x")
     row("wall time of all turns s", lambda c: f"{c['wall_s']:.0f}")
     row("prompt tokens recomputed", lambda c: f"{c['recomputed_tokens']} of {c['prompt_tokens']}")
     row("tokens fetched from the tier", lambda c: f"{c['tier_hit_tokens']}")
@@ -179,7 +190,8 @@ def main() -> None:
     budget = budget_tokens(sessions, args.holds, args.max_tokens, args.system_tokens)
     base[base.index("--max-total-tokens") + 1] = str(budget)
     base.append("--enable-metrics")  # the VeriCache counters; on every server, for parity
-    runs = {name: run_config(name, d, base, sessions, work, args) for name, d in CONFIGS.items()}
+    runs = {name: run_config(name, drafting, base + flags, sessions, work, args)
+            for name, (drafting, flags) in CONFIGS.items()}  # fmt: skip
     report = summarize(runs, budget, args)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")

@@ -8,7 +8,12 @@ growing history, ~90% prefix reuse per turn) replayed with turn k on replica k m
 - ``single server``: plain SGLang, every turn on one server (the prefix is on the device);
 - ``replicas, recompute``: two plain SGLang servers: the other replica's prefix is recomputed;
 - ``replicas, remote tier``: two ``--vericache --vericache-tier zmq://`` servers sharing one
-  KV server throttled to ``--bandwidth-mbps`` (default 100 MB/s): the prefix is fetched.
+  KV server throttled to ``--bandwidth-mbps`` (default 100 MB/s): the prefix is fetched;
+- ``replicas, recompute, vericache attention``: two plain SGLang servers with
+  ``--attention-backend vericache`` and no ``--vericache``: recompute as above, but a prefix
+  hit costs what it costs VeriCache (its extend attends only the new tokens' queries, where
+  torch_native's recomputes the prefix's attention too). The ratio against it is what the tier
+  itself buys; the ratio against plain recompute is what ``--vericache`` buys a CPU user.
 
     python benchmark/remote_prefix.py            # 2 sessions x 5 turns, 64 tokens per answer
 
@@ -35,6 +40,8 @@ from sglang_vericache.models import ensure_default_model  # noqa: E402
 from sglang_vericache.exactness.tier_server import ServerProcess  # noqa: E402
 from benchmark.agentic_tool_calls import vericache_counters  # noqa: E402
 
+RECOMPUTE, REMOTE = "replicas, recompute", "replicas, remote tier (VeriCache)"
+SAME_ATTENTION = "replicas, recompute, vericache attention"
 PHASE_METRICS = {"prefill steps": "vericache:prefill_phase_seconds",
                  "decode steps": "vericache:step_phase_seconds"}  # fmt: skip
 
@@ -96,16 +103,20 @@ def main() -> None:
         runs["single server (prefix on device)"] = replay([one.url], sessions, work / "single.json", args)
     with ExitStack() as stack:
         a, b = (stack.enter_context(SGLangServer(base, log_path=work / f"plain-{n}.log")) for n in "ab")
-        runs["replicas, recompute"] = replay([a.url, b.url], sessions, work / "recompute.json", args)
+        runs[RECOMPUTE] = replay([a.url, b.url], sessions, work / "recompute.json", args)
     with ExitStack() as stack:
         kv = stack.enter_context(ServerProcess("--bandwidth-mbps", str(args.bandwidth_mbps),
                                                capacity_gb=4.0))  # fmt: skip
         extra = ["--vericache", "--vericache-tier", kv.spec, "--enable-metrics"]
         a, b = (stack.enter_context(SGLangServer(base + extra, log_path=work / f"vc-{n}.log"))
                 for n in "ab")  # fmt: skip
-        runs["replicas, remote tier (VeriCache)"] = replay([a.url, b.url], sessions,
-                                                           work / "remote.json", args)  # fmt: skip
+        runs[REMOTE] = replay([a.url, b.url], sessions, work / "remote.json", args)
         phases = phase_seconds([vericache_counters(s.url) for s in (a, b)])
+    with ExitStack() as stack:
+        same = base + ["--attention-backend", "vericache"]
+        a, b = (stack.enter_context(SGLangServer(same, log_path=work / f"plain-vc-attn-{n}.log"))
+                for n in "ab")  # fmt: skip
+        runs[SAME_ATTENTION] = replay([a.url, b.url], sessions, work / "same-attention.json", args)
     report = summarize(runs, args)
     report["vericache_phase_seconds"] = phases
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -140,29 +151,27 @@ def summarize(runs: dict[str, dict], args: argparse.Namespace) -> dict:
 
 
 def markdown(report: dict) -> str:
-    names = list(report["per_turn"])
-    rec, remote = names[1], names[2]
+    per_turn = report["per_turn"]
+    names = list(per_turn)
+    baselines = [n for n in (RECOMPUTE, SAME_ATTENTION) if n in per_turn]
     lines = [f"{report['sessions']} agent sessions x {report['turns']} turns, "
              f"{report['max_tokens']} tokens per answer, {report['think_s']:g} s between turns; "
              f"turn k on replica k mod 2; "
-             f"KV server throttled to {report['bandwidth_mb_s']:g} MB/s.", "",
-             "| turn | prompt tokens | " + " | ".join(f"TTFT s: {n}" for n in names)
-             + " | TTFT recompute / remote | E2E recompute / remote |",
-             "|---" * (len(names) + 4) + "|"]  # fmt: skip
-    lines[2] = lines[2].replace(" | TTFT recompute", " | cached tokens (recompute / remote) | TTFT recompute")
-    lines[3] += "---|"
-    for k in report["per_turn"][names[0]]:
-        row = [report["per_turn"][n][str(k)] if str(k) in report["per_turn"][n]
-               else report["per_turn"][n][k] for n in names]  # fmt: skip
-        r, v = row[1], row[2]
-        cached = " / ".join(f"{report['per_turn'][n][str(k) if str(k) in report['per_turn'][n] else k]['cached']:.0f}"
-                            for n in names[1:])  # fmt: skip
-        lines.append(f"| {k} | {row[0]['prompt_tokens']:.0f} | "
-                     + " | ".join(f"{x['ttft_s']:.2f}" for x in row) + f" | {cached}"
-                     + f" | {r['ttft_s'] / v['ttft_s']:.2f}x | {r['e2e_s'] / v['e2e_s']:.2f}x |")  # fmt: skip
+             f"KV server throttled to {report['bandwidth_mb_s']:g} MB/s.", ""]  # fmt: skip
+    header = (["turn", "prompt tokens"] + [f"TTFT s: {n}" for n in names]
+              + [f"cached tokens: {n}" for n in names[1:]]
+              + [f"{m} {b} / remote" for b in baselines for m in ("TTFT", "E2E")])  # fmt: skip
+    lines += ["| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
+    for k in per_turn[names[0]]:
+        row = {n: per_turn[n][k] for n in names}
+        v = row[REMOTE]
+        cells = ([str(k), f"{row[names[0]]['prompt_tokens']:.0f}"]
+                 + [f"{row[n]['ttft_s']:.2f}" for n in names]
+                 + [f"{row[n]['cached']:.0f}" for n in names[1:]]
+                 + [f"{row[b][m] / v[m]:.2f}x" for b in baselines for m in ("ttft_s", "e2e_s")])
+        lines.append("| " + " | ".join(cells) + " |")
     same = ", ".join(f"{n}: {'yes' if ok else 'NO'}" for n, ok in report["identical_outputs"].items())
-    lines += ["", f"Same answers as the single server: {same}.",
-              f"Ratios compare `{rec}` with `{remote}`."]  # fmt: skip
+    lines += ["", f"Same answers as the single server: {same}."]
     for kind, phases in report.get("vericache_phase_seconds", {}).items():
         spent = ", ".join(f"{p} {s:.1f}" for p, s in sorted(phases.items(), key=lambda x: -x[1]))
         lines.append(f"VeriCache replicas, seconds in {kind} by phase (both replicas): {spent}.")
