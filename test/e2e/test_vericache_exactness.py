@@ -315,3 +315,21 @@ def test_a_decoding_requests_prompt_is_a_hit_for_requests_that_share_it(
     shared_tokens = stamps[-1][1]["meta_info"]["prompt_tokens"]
     assert got["meta_info"]["cached_tokens"] >= shared_tokens - 1, (got["meta_info"], shared_tokens)
     assert got["output_ids"] == http_json(plain_server.url + "/generate", second)["output_ids"]
+
+
+def test_a_conversations_next_turn_extends_its_cached_turn_and_matches_plain(
+    kivi_server, plain_server, prompts
+) -> None:
+    """Turn 2 of a conversation is turn 1's prompt and answer (whose KV came from verifies and
+    host buffers) plus a question: a radix hit whose prefill attends only the new tokens'
+    queries (``srt/attention.py``). Both turns answer as plain SGLang does."""
+    params = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
+    turn = {"text": prompts[2].text, "sampling_params": params}
+    for n in range(2):
+        got = http_json(kivi_server.url + "/generate", turn)
+        want = http_json(plain_server.url + "/generate", turn)
+        assert got["output_ids"] == want["output_ids"], f"turn {n + 1}"
+        if n:
+            assert got["meta_info"]["cached_tokens"] >= want["meta_info"]["prompt_tokens"] // 2
+        turn = {"text": turn["text"] + got["text"] + "\n\nAnd in one sentence?",
+                "sampling_params": params}  # fmt: skip
