@@ -1,0 +1,93 @@
+"""The ``vericache`` backend's prefix extend against torch_native's, on a real CPU KV pool.
+
+A prefix extend attends only the new tokens' queries (``srt/attention.py``); torch_native runs a
+query for every prefix position and keeps the last ones. Same attention, so the outputs agree to
+float rounding, for rows with and without a prefix, with queries split into blocks, and with the
+row's prefix moved to its host buffer.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+H_Q, H_KV, D, SLOTS, ROWS, MAX_LEN = 4, 2, 8, 256, 4, 128
+PREFIX, NEW = (37, 0), (5, 9)  # row 0 extends a 37-token prefix by 5, row 1 is a fresh prompt
+
+
+def _setup():
+    from sglang.srt.layers.radix_attention import AttentionType
+    from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    from sglang_vericache.srt.attention import VeriCacheAttnBackend
+
+    torch.manual_seed(0)
+    kv = MHATokenToKVPool(SLOTS, 1, torch.float32, H_KV, D, 1, "cpu", False)
+    kv.get_key_buffer(0).copy_(torch.randn_like(kv.get_key_buffer(0)))
+    kv.get_value_buffer(0).copy_(torch.randn_like(kv.get_value_buffer(0)))
+    rows = ReqToTokenPool(ROWS, MAX_LEN, "cpu", False)
+    alloc = TokenToKVPoolAllocator(SLOTS, torch.float32, "cpu", kv, False)
+    seq = [p + n for p, n in zip(PREFIX, NEW)]
+    for row, n in enumerate(seq):  # every position's KV is already in the pool
+        rows.req_to_token[row, :n] = alloc.alloc(n).to(torch.int32)
+    runner = SimpleNamespace(device="cpu", req_to_token_pool=rows, token_to_kv_pool=kv)
+    backend = VeriCacheAttnBackend(runner)
+    layer = SimpleNamespace(layer_id=0, tp_q_head_num=H_Q, tp_k_head_num=H_KV, qk_head_dim=D,
+                            v_head_dim=D, scaling=D**-0.5, is_cross_attention=False,
+                            attn_type=AttentionType.DECODER, sliding_window_size=-1)  # fmt: skip
+    batch = SimpleNamespace(
+        forward_mode=ForwardMode.EXTEND, req_pool_indices=torch.arange(len(seq)),
+        seq_lens=torch.tensor(seq), seq_lens_cpu=torch.tensor(seq),
+        extend_prefix_lens=torch.tensor(PREFIX), extend_seq_lens=torch.tensor(NEW),
+        extend_prefix_lens_cpu=list(PREFIX), extend_seq_lens_cpu=list(NEW), encoder_lens=None,
+        out_cache_loc=None,
+    )  # fmt: skip
+    q = torch.randn(sum(NEW), H_Q * D)
+    return backend, layer, batch, q, (kv, rows, alloc)
+
+
+def _torch_native(backend, q, layer, batch):
+    from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+
+    return TorchNativeAttnBackend.forward_extend(backend, q, None, None, layer, batch, False)
+
+
+@pytest.mark.parametrize("query_block", [1024, 2])
+def test_a_prefix_extend_attends_as_torch_native_does(monkeypatch, query_block: int) -> None:
+    from sglang_vericache.srt import attention
+
+    monkeypatch.setattr(attention, "QUERY_BLOCK", query_block)
+    backend, layer, batch, q, _ = _setup()
+    assert attention._extends_a_prefix(layer, batch)
+    got = backend.forward_extend(q, None, None, layer, batch, save_kv_cache=False)
+    want = _torch_native(backend, q, layer, batch)
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_prefix_extend_reads_an_offloaded_prefix_from_its_host_buffer() -> None:
+    from sglang_vericache.srt.offload import PLACEHOLDER_SLOT
+    from sglang_vericache.srt.offloader import PoolOffloader
+
+    backend, layer, batch, q, (kv, rows, alloc) = _setup()
+    want = _torch_native(backend, q, layer, batch)
+    PoolOffloader(kv, rows, alloc, 1).offload(0, owned_from=0, committed=30, compressed_bytes=0,
+                                              min_tokens=1)
+    assert bool((rows.req_to_token[0, :30] == PLACEHOLDER_SLOT).all())  # the pool has no copy
+    got = backend.forward_extend(q, None, None, layer, batch, save_kv_cache=False)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_batch_of_fresh_prompts_keeps_torch_natives_path() -> None:
+    from sglang_vericache.srt import attention
+
+    _, layer, batch, _, _ = _setup()
+    batch.extend_prefix_lens_cpu = [0, 0]
+    assert not attention._extends_a_prefix(layer, batch)
+    layer.sliding_window_size = 16  # a sliding-window layer keeps it too
+    batch.extend_prefix_lens_cpu = list(PREFIX)
+    assert not attention._extends_a_prefix(layer, batch)
