@@ -253,30 +253,41 @@ class LMCacheTier(TaskTableTier[TrackedTask]):
 
     def _do_put(self, task: TrackedTask) -> None:
         ok: list[bool] = []
-        g = self.geometry
         for key, chunk in zip(task.keys, task.tensors):
             if task.cancelled:
                 return
-            host = chunk.detach().to("cpu").contiguous()
-            sums = layer_checksums(memoryview(host.view(torch.uint8).reshape(-1).numpy()),
-                                   g.num_layers)
-            n = key.num_tokens
-            for layer in range(g.num_layers):  # [2, H, n, D] -> block [2, n, H, D]
-                dst = self._staging[f"layer.{layer}"][:, _BLOCK]
-                dst.zero_()
-                dst[:, :n].copy_(host[layer].permute(0, 2, 1, 3))
-            self._write_manifest(pack_manifest(self._ns, key, sums))
-            request_id = uuid.uuid4().hex
-            lm_key = self._lm_key(key, request_id)
-            event = self._transfer.create_recorded_event()
-            stored = bool(self._transfer.submit_store(request_id, lm_key, self._staging,
-                                                      [[_BLOCK]], event, 1)
-                          .result(timeout=self.timeout_s))
-            self._end(key, request_id, release_locks=False)
+            stored = self._store(key, chunk)
+            if not stored:
+                # A restarted server forgets every registration, and zmq reconnects to it
+                # silently: the old one's stores are refused ("context not registered") while
+                # lookups still answer, so nothing else would ever re-register. Once per chunk.
+                self._drop_connection()
+                self._connect()
+                stored = self._store(key, chunk)
             ok.append(stored)
         self._count("chunks_put", sum(ok))
         self._finish(task, TaskStatus.DONE, ok, None if all(ok) else "lmcache refused a store",
                      nbytes=sum(c.nbytes for c, f in zip(task.tensors, ok) if f))
+
+    def _store(self, key: ChunkKey, chunk: torch.Tensor) -> bool:
+        """Store one chunk ([L, 2, H, n, D]) and its manifest; whether the server took it."""
+        g = self.geometry
+        host = chunk.detach().to("cpu").contiguous()
+        sums = layer_checksums(memoryview(host.view(torch.uint8).reshape(-1).numpy()),
+                               g.num_layers)
+        n = key.num_tokens
+        for layer in range(g.num_layers):  # [2, H, n, D] -> block [2, n, H, D]
+            dst = self._staging[f"layer.{layer}"][:, _BLOCK]
+            dst.zero_()
+            dst[:, :n].copy_(host[layer].permute(0, 2, 1, 3))
+        self._write_manifest(pack_manifest(self._ns, key, sums))
+        request_id = uuid.uuid4().hex
+        lm_key = self._lm_key(key, request_id)
+        event = self._transfer.create_recorded_event()
+        stored = bool(self._transfer.submit_store(request_id, lm_key, self._staging, [[_BLOCK]],
+                                                  event, 1).result(timeout=self.timeout_s))
+        self._end(key, request_id, release_locks=False)
+        return stored
 
     def _do_fetch(self, task: TrackedTask) -> None:
         ok: list[bool] = []

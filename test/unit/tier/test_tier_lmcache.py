@@ -106,6 +106,34 @@ def test_lmcache_roundtrip_partial_chunk_and_misses(lmcache_server: str) -> None
 
 @pytest.mark.lmcache
 @needs_lmcache
+def test_a_restarted_server_takes_the_next_put() -> None:
+    """A restarted lmcache server (same port, empty) forgets every client's registration while
+    zmq reconnects to it silently: the client's next store must register again and land, not be
+    refused for ever (seen end to end: no write-through landed after a restart in 360 s; the
+    server logged "context not registered" for every store)."""
+    from sglang_vericache.exactness.lmcache_server import LMCacheServerProcess
+
+    with LMCacheServerProcess(GEOMETRY.chunk_tokens, l1_size_gb=0.25) as server:
+        # the refused store surfaces as a timeout, and its session's cleanup times out too:
+        # a short one keeps the test short (the retry lands after about 2 x timeout_s)
+        tier = open_tier(server.spec, GEOMETRY, TierOptions(timeout_s=5))
+        res = Results(tier)
+        before, after = list(range(16)), list(range(100, 116))
+        kv = torch.randn(2, 2, 2, 16, 8)
+        assert res.wait(tier.submit_put(chunk_keys(GEOMETRY, before), split_chunks(kv, GEOMETRY)),
+                        timeout_s=60).all_ok  # fmt: skip
+        server.kill()
+        server.start()
+        keys = chunk_keys(GEOMETRY, after)
+        assert res.wait(tier.submit_put(keys, split_chunks(kv, GEOMETRY)), timeout_s=60).all_ok
+        dst = alloc_chunks(GEOMETRY, 16)
+        assert res.wait(tier.submit_fetch(keys, dst), timeout_s=60).all_ok
+        assert torch.equal(join_chunks(dst), kv)
+        tier.close()
+
+
+@pytest.mark.lmcache
+@needs_lmcache
 def test_lmcache_unreachable_is_a_clean_failure() -> None:
     tier = open_tier(f"lmcache://127.0.0.1:{free_port()}", GEOMETRY, TierOptions(timeout_s=2))
     res = Results(tier)
