@@ -253,14 +253,17 @@ class LMCacheTier(TaskTableTier[TrackedTask]):
 
     def _do_put(self, task: TrackedTask) -> None:
         ok: list[bool] = []
+        registered_again = False
         for key, chunk in zip(task.keys, task.tensors):
             if task.cancelled:
                 return
             stored = self._store(key, chunk)
-            if not stored:
+            if not stored and not registered_again:
                 # A restarted server forgets every registration, and zmq reconnects to it
                 # silently: the old one's stores are refused ("context not registered") while
-                # lookups still answer, so nothing else would ever re-register. Once per chunk.
+                # lookups still answer, so nothing else would ever re-register. Once per task:
+                # a server that refuses a fresh registration's store too is refusing for real.
+                registered_again = True
                 self._drop_connection()
                 self._connect()
                 stored = self._store(key, chunk)
