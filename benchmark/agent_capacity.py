@@ -36,7 +36,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmark"))
 
 from agentic_tool_calls import vericache_counters  # noqa: E402
-from remote_prefix import build_sessions, session_args  # noqa: E402
+from remote_prefix import SAME_ATTENTION_ARGS, build_sessions, session_args  # noqa: E402
 from remote_prefix import replay as replay_sessions  # noqa: E402
 
 from sglang_vericache.exactness.server import SGLangServer  # noqa: E402
@@ -47,7 +47,7 @@ SAME_ATTENTION = "plain SGLang, vericache attention"
 # name -> --vericache-fetch-drafting (None: a plain server) and more server flags
 CONFIGS = {PLAIN: (None, []), "VeriCache, fetch then decode": ("off", []),
            "VeriCache, draft while fetching": ("on", []),
-           SAME_ATTENTION: (None, ["--attention-backend", "vericache"])}  # fmt: skip
+           SAME_ATTENTION: (None, SAME_ATTENTION_ARGS)}  # fmt: skip
 
 
 def budget_tokens(sessions: Path, holds: int, answer_tokens: int, system_tokens: int) -> int:

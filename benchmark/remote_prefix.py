@@ -42,6 +42,7 @@ from benchmark.agentic_tool_calls import vericache_counters  # noqa: E402
 
 RECOMPUTE, REMOTE = "replicas, recompute", "replicas, remote tier (VeriCache)"
 SAME_ATTENTION = "replicas, recompute, vericache attention"
+SAME_ATTENTION_ARGS = ["--attention-backend", "vericache"]  # plain SGLang, VeriCache's attention
 PHASE_METRICS = {"prefill steps": "vericache:prefill_phase_seconds",
                  "decode steps": "vericache:step_phase_seconds"}  # fmt: skip
 
@@ -113,7 +114,7 @@ def main() -> None:
         runs[REMOTE] = replay([a.url, b.url], sessions, work / "remote.json", args)
         phases = phase_seconds([vericache_counters(s.url) for s in (a, b)])
     with ExitStack() as stack:
-        same = base + ["--attention-backend", "vericache"]
+        same = base + SAME_ATTENTION_ARGS
         a, b = (stack.enter_context(SGLangServer(same, log_path=work / f"plain-vc-attn-{n}.log"))
                 for n in "ab")  # fmt: skip
         runs[SAME_ATTENTION] = replay([a.url, b.url], sessions, work / "same-attention.json", args)

@@ -105,11 +105,11 @@ class VeriCacheAttnBackend(TorchNativeAttnBackend):
             n_tok = fb.spec_info.draft_token_num  # seq_lens are the committed KV: drafts follow
             new = [n_tok] * len(fb.seq_lens_cpu)
             ends = [base + n_tok for base in fb.seq_lens_cpu.tolist()]
-            out = self._attend_new_tokens(q, k, v, layer, fb, new, ends, save_kv_cache)
+            out = self._attend_new_tokens(q3, k, v, layer, fb, new, ends, save_kv_cache)
         elif _extends_a_prefix(layer, fb):  # seq_lens include the extended tokens
             new = list(fb.extend_seq_lens_cpu)
             ends = fb.seq_lens_cpu.tolist()
-            out = self._attend_new_tokens(q, k, v, layer, fb, new, ends, save_kv_cache)
+            out = self._attend_new_tokens(q3, k, v, layer, fb, new, ends, save_kv_cache)
         else:
             new = fb.extend_seq_lens_cpu
             out = super().forward_extend(q, k, v, layer, fb, save_kv_cache)
@@ -117,7 +117,7 @@ class VeriCacheAttnBackend(TorchNativeAttnBackend):
             self.capture.record(layer.layer_id, q3, list(new))
         return out
 
-    def _attend_new_tokens(self, q, k, v, layer: RadixAttention, fb: ForwardBatch,
+    def _attend_new_tokens(self, q3, k, v, layer: RadixAttention, fb: ForwardBatch,
                            new: list[int], ends: list[int], save_kv_cache: bool):  # fmt: skip
         """Causal attention of each request's ``new[i]`` last positions over its full KV: row i's
         queries are positions [end - new[i], end) (end = ``ends[i]``) and attend over [0, end),
@@ -126,11 +126,10 @@ class VeriCacheAttnBackend(TorchNativeAttnBackend):
             keys      0 ..................... end - n | ............ end
             query j   sees every key <= its position  | (causal within the new tokens)
 
-        q: [sum(new), H_q * D]; returns [sum(new), H_q * D_v]. Queries go in blocks of at most
+        q3: [sum(new), H_q, D]; returns [sum(new), H_q * D_v]. Queries go in blocks of at most
         ``QUERY_BLOCK`` so the mask stays small at long contexts."""
         self._write_kv(layer, fb, k, v, save_kv_cache)
-        q3 = q.view(-1, layer.tp_q_head_num, layer.qk_head_dim)
-        out = q.new_empty((q3.shape[0], layer.tp_q_head_num, layer.v_head_dim))
+        out = q3.new_empty((q3.shape[0], layer.tp_q_head_num, layer.v_head_dim))
         gqa = layer.tp_q_head_num != layer.tp_k_head_num
         start = 0
         for i, end in enumerate(ends):
@@ -139,11 +138,12 @@ class VeriCacheAttnBackend(TorchNativeAttnBackend):
             if self.clock is not None and _copied(keys):  # gathered, not read in place
                 self.clock.note_transient(2 * keys.numel() * keys.element_size())
             keys, values = keys.unsqueeze(0).to(q3.dtype), values.unsqueeze(0).to(q3.dtype)
+            k_pos = torch.arange(end, device=q3.device)[None, :]
             for lo in range(0, n, QUERY_BLOCK):
                 hi = min(n, lo + QUERY_BLOCK)
                 qi = q3[start + lo : start + hi].transpose(0, 1)  # [H_q, hi - lo, D]
-                q_pos = torch.arange(end - n + lo, end - n + hi, device=q.device)
-                mask = torch.arange(end, device=q.device)[None, :] <= q_pos[:, None]
+                q_pos = torch.arange(end - n + lo, end - n + hi, device=q3.device)
+                mask = k_pos <= q_pos[:, None]
                 o = scaled_dot_product_attention(qi.unsqueeze(0), keys, values, attn_mask=mask,
                                                  scale=layer.scaling, enable_gqa=gqa)  # fmt: skip
                 out[start + lo : start + hi] = o.squeeze(0).transpose(0, 1)
