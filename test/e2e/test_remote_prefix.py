@@ -2,7 +2,8 @@
 
 One KV server process on 127.0.0.1 (throttled, fault injection on) is shared by servers A and
 B. A prefix computed on A is a hit on B; the next turn on A hits the prefix A kept on its device
-(the pool has room); a corrupted chunk, and a KV server killed in the middle of a fetch, make B
+(the pool has room); on a replica whose pool is short, an evicted turn is demoted (compressed KV
+kept) and its next turn drafts while its full KV is fetched; a corrupted chunk, and a KV server killed in the middle of a fetch, make B
 recompute, with output token-identical to plain SGLang every time.
 """
 
@@ -112,9 +113,8 @@ def test_next_turn_on_the_same_server_hits_its_own_device_prefix(servers, kv_ser
     fits, so nothing moved it), so the prefix is a device hit and nothing is fetched from the
     tier, while turn 1 was still written through for the other replicas; turn 2's compressed
     KV starts from turn 1's (kept for its prefix), not from compressing all of it again.
-    (Drafting while a
-    prefix is fetched now needs that prefix evicted first: demotion on eviction is the tiered
-    prefix issue's to build; ``test/srt/test_draft_ahead.py`` covers the drafting itself.)"""
+    (Drafting while a prefix is fetched needs that prefix evicted first: the
+    demoted-turn test below.)"""
     a, _ = servers
     ids, turn2 = _two_turns(a, kv_server, tokenizer, "payroll", " Which rule is checked first?")
     sent = kv_server.stats()["bytes_out"]
@@ -185,6 +185,45 @@ def test_a_request_waiting_on_a_hung_tier_holds_up_no_one(servers, kv_server, pl
     assert took < LOOKUP_DEADLINE_S * 0.6, f"held up {took:.1f} s behind a hung lookup"
     assert got["output_ids"] == _generate(plain_server, quick)["output_ids"]
     assert out["output_ids"] == _generate(plain_server, waiting)["output_ids"]
+
+
+@pytest.fixture(scope="module")
+def tight_server(kv_server, tmp_path_factory) -> Iterator[SGLangServer]:
+    """A replica whose pool holds about three 700-token conversations: a fourth evicts one."""
+    args = ["--max-total-tokens", "2560", "--vericache", "--vericache-draft-len", "4",
+            "--vericache-tier", kv_server.spec, "--enable-metrics"]  # fmt: skip
+    log = tmp_path_factory.mktemp("tight") / "server.log"
+    with SGLangServer(args, log_path=log) as server:
+        yield server
+
+
+def test_an_evicted_turn_is_demoted_and_its_next_turn_drafts_while_fetching(
+    tight_server, kv_server, plain_server, tokenizer
+) -> None:
+    """Turn 1 finishes FULL (full KV on the device, written through) with its compressed KV
+    kept, charged to the pool. Two more conversations need the room: eviction takes turn 1's
+    FULL node and keeps its compressed KV (DEMOTED). Turn 2 then misses on the device, fetches
+    turn 1's full KV from the tier, and drafts from the DEMOTED prefix while it waits; the
+    drafts are verified like any others, so it answers as plain SGLang does."""
+    import re
+    import urllib.request
+
+    ids, turn2 = _two_turns(tight_server, kv_server, tokenizer, "dockyard", " What comes last?")
+    for topic in ("orchard", "quarry"):  # newer conversations evict the least recent turn
+        _generate(tight_server, _prompt(tokenizer, topic))
+    with urllib.request.urlopen(tight_server.url + "/metrics", timeout=30) as resp:
+        text = resp.read().decode()
+    entries = re.search(r'vericache:demoted_prefixes\{[^}]*what="entries"[^}]*\} (\S+)', text)
+    slots = re.search(r'vericache:demoted_prefixes\{[^}]*what="slots"[^}]*\} (\S+)', text)
+    assert entries and float(entries.group(1)) >= 2, text[-3000:]
+    assert slots and float(slots.group(1)) > 0  # charged to the pool
+    sent = kv_server.stats()["bytes_out"]
+    got = _generate(tight_server, turn2)
+    info = got["meta_info"]
+    assert kv_server.stats()["bytes_out"] - sent >= CHUNK * KV_BYTES_PER_TOKEN, "not fetched"
+    assert info["cached_tokens"] >= (len(ids) // CHUNK) * CHUNK, info
+    assert info["vericache"]["drafted_while_fetching"] > 0, info["vericache"]
+    assert got["output_ids"] == _generate(plain_server, turn2)["output_ids"]
 
 
 def test_kv_server_killed_mid_fetch_is_recomputed_identically(

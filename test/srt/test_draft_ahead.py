@@ -1,4 +1,4 @@
-"""Drafting while fetching: the standalone drafter against transformers, the store, the proposals.
+"""Drafting while fetching: the standalone drafter against transformers, the proposals.
 
 The drafter runs SGLang's Llama modules outside SGLang's batches. Here the same math runs on a
 tiny random-weight transformers Llama wrapped in SGLang's module layout (fused qkv_proj
@@ -15,11 +15,30 @@ import torch
 from torch import nn
 
 from sglang_vericache.compress import Full
-from sglang_vericache.srt.draft_ahead import CompressedPrefixStore, DraftAhead
+from sglang_vericache.srt.draft_ahead import DraftAhead
 from sglang_vericache.srt.draft_state import RequestDraftState
 from sglang_vericache.srt.llama_drafter import LlamaDrafter
+from sglang_vericache.tier.demoted import DemotedPrefixes
 
 LAYERS, HIDDEN, HEADS, KV_HEADS, VOCAB = 2, 64, 4, 2, 97
+
+
+class _RoomyPool:
+    """A ``PoolAccount`` with room for every entry: these tests are about drafting (the
+    accounting is ``test/unit/tier/test_demoted.py`` and ``test_demoted_pool.py``)."""
+
+    def slots_for(self, nbytes: int) -> int:
+        return 1
+
+    def take(self, n: int) -> object:
+        return object()
+
+    def give_back(self, held: object) -> None:
+        pass
+
+
+def _hub() -> DraftAhead:
+    return DraftAhead(DemotedPrefixes(_RoomyPool()))
 
 
 @pytest.fixture(scope="module")
@@ -137,7 +156,7 @@ def test_a_model_without_the_llama_layout_gets_no_drafter() -> None:
 def test_draft_ahead_drafts_the_greedy_continuation_on_its_thread(hf_model, kept: int) -> None:
     turn1 = torch.randint(0, VOCAB, (30,)).tolist()
     prompt = turn1[:kept] + [5, 6, 7]
-    hub = DraftAhead()
+    hub = _hub()
     hub.attach(_sglang_layout(hf_model))
     hub.park("r1", _exact_state(hf_model, turn1, appended=5))
     # The request kept `kept` tokens: longer keys are cut to what the state covers, shorter
@@ -164,7 +183,7 @@ def test_draft_ahead_drafts_the_greedy_continuation_on_its_thread(hf_model, kept
 
 
 def test_proposals_need_every_request_of_the_batch() -> None:
-    hub = DraftAhead()
+    hub = _hub()
     hub.jobs["a"] = _job("a", [1, 2, 3, 4])
     assert hub.proposals([("a", [1]), ("b", [9])], most=8) is None
     assert "a" in hub.jobs  # still good: only the batch lacked b
@@ -174,36 +193,15 @@ def test_proposals_need_every_request_of_the_batch() -> None:
 
 
 def _job(rid: str, drafts: list[int]):
-    from sglang_vericache.srt.draft_ahead import AheadJob, StoredPrefix
+    from sglang_vericache.srt.draft_ahead import AheadJob
+    from sglang_vericache.tier.demoted import DemotedPrefix
 
-    return AheadJob(rid, StoredPrefix((0,), None, 0), [], 8, drafts=list(drafts))
-
-
-class _State:
-    def __init__(self, covered: int, nbytes: int) -> None:
-        self.covered, self.nbytes = covered, nbytes
-
-
-def test_store_keeps_the_longest_prefix_within_its_budget() -> None:
-    store = CompressedPrefixStore(budget_bytes=100)
-    assert store.put([1, 2, 3], _State(3, 30))
-    assert store.put([7, 8], _State(2, 30))
-    assert store.longest([1, 2, 3, 4]).tokens == (1, 2, 3)
-    assert store.longest([1, 2, 3]) is None  # a proper prefix only: one token must remain
-    assert store.put([1, 2, 3, 4, 5], _State(5, 30))  # supersedes [1, 2, 3]
-    assert list(store.entries) == [(7, 8), (1, 2, 3, 4, 5)]
-    store.longest([7, 8, 9])  # touch: [7, 8] is now the most recent
-    assert store.put([4, 4, 4], _State(3, 50))  # over budget: the least recent goes
-    assert list(store.entries) == [(7, 8), (4, 4, 4)]
-    assert not store.put([6], _State(1, 101))
-    store.check_integrity()
-    with pytest.raises(ValueError, match="covers"):
-        store.put([1, 2], _State(3, 1))
+    return AheadJob(rid, DemotedPrefix((0,), None, 0, 0, None, 0), [], 8, drafts=list(drafts))
 
 
 def test_start_skips_a_request_whose_fetch_lands_before_a_draft_could(hf_model) -> None:
     turn1 = torch.randint(0, VOCAB, (30,)).tolist()
-    hub = DraftAhead()
+    hub = _hub()
     hub.attach(_sglang_layout(hf_model))
     hub.park("r1", _exact_state(hf_model, turn1))
     assert hub.remember("r1", turn1)

@@ -1,9 +1,9 @@
 """Drafting while the full KV streams in: compressed prefixes kept locally, drafts made ahead.
 
-With a remote tier the device keeps only the *compressed* KV of finished sequences
-(``CompressedPrefixStore``); their full KV lives in the tier. When the next turn arrives its
-full-KV prefix must be fetched before SGLang can prefill it, and the request waits in the
-queue. Meanwhile ``DraftAhead`` drafts it from the compressed prefix on a background thread::
+With a remote tier the device keeps the *compressed* KV of finished sequences
+(``tier/demoted.py``: DEMOTED prefixes, charged to the KV pool) while their full KV is in the
+tier. When the next turn arrives and the tree has evicted its full-KV prefix, that prefix must be
+fetched before SGLang can prefill it, and the request waits in the queue. Meanwhile ``DraftAhead`` drafts it from the compressed prefix on a background thread::
 
     queue:   [ lookup | fetch full KV ..................... ] admit, prefill -> t1
     ahead:   [ match compressed prefix | prefill suffix (lossy) | d1 d2 d3 ... dn ]
@@ -32,7 +32,6 @@ import os
 import queue
 import threading
 import time
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -40,10 +39,10 @@ import torch
 
 from sglang_vericache.srt.draft_length import ewma
 from sglang_vericache.srt.llama_drafter import LlamaDrafter
+from sglang_vericache.tier.demoted import DemotedPrefix, DemotedPrefixes
 
 logger = logging.getLogger(__name__)
 
-STORE_BYTES = 512 << 20  # compressed KV kept for finished sequences (LRU beyond this)
 AHEAD_MAX_TOKENS = 64  # drafts made per waiting request (more than a fetch usually allows)
 AHEAD_MAX_SUFFIX = 1024  # prompt tokens past the compressed prefix the drafter will prefill
 MAX_JOBS = 1024  # jobs remembered (a job lives from its request's fetch to its release)
@@ -52,81 +51,13 @@ IDLE_POLL_S = 0.05  # how often a job waiting for idle compute checks whether it
 
 
 @dataclass(slots=True)
-class StoredPrefix:
-    """The compressed KV (a ``RequestDraftState``) of positions [0, len(tokens)).
-
-    The state may cover ``trim`` more positions: a verification can commit past the point where
-    SGLang stops the request (``max_new_tokens``, a stop string). Those newest tokens are always
-    in the full-precision recent window, which is the tail of every view and the same for every
-    head, so dropping the last ``trim`` columns leaves exactly positions [0, len(tokens)).
-    """
-
-    tokens: tuple[int, ...]
-    state: Any
-    nbytes: int
-    trim: int = 0
-
-    def views(self) -> list[tuple[Any, Any]]:
-        """Per layer (K, V) [H_kv, T_view - trim, D]."""
-        views = self.state.views()
-        if not self.trim:
-            return views
-        return [(k[:, : k.shape[1] - self.trim], v[:, : v.shape[1] - self.trim]) for k, v in views]
-
-
-class CompressedPrefixStore:
-    """Compressed KV of finished sequences, LRU within a byte budget. Scheduler thread only."""
-
-    def __init__(self, budget_bytes: int = STORE_BYTES) -> None:
-        self.budget = budget_bytes
-        self.entries: OrderedDict[tuple[int, ...], StoredPrefix] = OrderedDict()
-        self.nbytes = 0
-
-    def put(self, tokens: Sequence[int], state: Any, trim: int = 0) -> bool:
-        """Keep ``state`` (covering ``tokens`` + ``trim`` more); drops entries it extends.
-
-        False if it is over the budget on its own.
-        """
-        key = tuple(tokens)
-        if state.covered != len(key) + trim or not key or trim < 0:
-            raise ValueError(f"state covers {state.covered} tokens, key has {len(key)} + {trim}")
-        if state.nbytes > self.budget:
-            return False
-        for old in [k for k in self.entries if len(k) <= len(key) and key[: len(k)] == k]:
-            self._drop(old)  # a longer turn of the same conversation supersedes it
-        self.entries[key] = StoredPrefix(key, state, state.nbytes, trim)
-        self.nbytes += state.nbytes
-        while self.nbytes > self.budget:
-            self._drop(next(iter(self.entries)))
-        return True
-
-    def longest(self, tokens: Sequence[int]) -> StoredPrefix | None:
-        """The longest entry that is a proper prefix of ``tokens`` (marked recently used)."""
-        best = None
-        for key, entry in self.entries.items():
-            if len(key) < len(tokens) and (best is None or len(key) > len(best.tokens)):
-                if tuple(tokens[: len(key)]) == key:
-                    best = entry
-        if best is not None:
-            self.entries.move_to_end(best.tokens)
-        return best
-
-    def _drop(self, key: tuple[int, ...]) -> None:
-        self.nbytes -= self.entries.pop(key).nbytes
-
-    def check_integrity(self) -> None:
-        assert self.nbytes == sum(e.nbytes for e in self.entries.values()), "byte count drifted"
-        assert self.nbytes <= self.budget, "over budget"
-        for key, entry in self.entries.items():
-            assert entry.tokens == key and entry.state.covered == len(key) + entry.trim, key[:8]
-
-
-@dataclass(slots=True)
 class AheadJob:
-    """One waiting request's drafting: ``drafts`` grows on the drafting thread."""
+    """One waiting request's drafting: ``drafts`` grows on the drafting thread. Eviction may
+    drop ``prefix`` from the store meanwhile: the job's reference keeps its tensors until the
+    job ends (one prefix's compressed KV, briefly past its freed slots)."""
 
     rid: str
-    prefix: StoredPrefix
+    prefix: DemotedPrefix
     suffix: list[int]
     max_tokens: int
     drafts: list[int] = field(default_factory=list)
@@ -134,14 +65,14 @@ class AheadJob:
 
 
 class DraftAhead:
-    """The compressed-prefix store plus the drafting thread (module doc).
+    """The DEMOTED prefixes plus the drafting thread (module doc).
 
     ``attach(model)`` is called by the worker once the model exists; until then, or for a model
     without the Llama layout, ``start`` does nothing and requests wait for their fetch as before.
     """
 
-    def __init__(self, budget_bytes: int = STORE_BYTES) -> None:
-        self.store = CompressedPrefixStore(budget_bytes)
+    def __init__(self, store: DemotedPrefixes) -> None:
+        self.store = store
         self.drafter: LlamaDrafter | None = None
         self.finished: dict[str, Any] = {}  # rid -> compressed KV, between finish and release
         self.jobs: dict[str, AheadJob] = {}
@@ -179,7 +110,7 @@ class DraftAhead:
         if state is None:
             return False
         kept = min(len(tokens), state.covered)
-        trim = state.covered - kept  # committed past the request's end (see StoredPrefix)
+        trim = state.covered - kept  # committed past the request's end (see DemotedPrefix)
         if trim > min(layer.num_pending for layer in state.layers):
             return False
         return self.store.put(list(tokens)[:kept], state, trim)
@@ -321,13 +252,13 @@ class DraftAhead:
             token = int(self.drafter.step(token, kv).argmax())
 
 
-def draft_ahead_for(req_to_token_pool: Any) -> DraftAhead:
-    """The ``DraftAhead`` shared by the worker and the prefix cache of one scheduler."""
-    hub = getattr(req_to_token_pool, "_vericache_draft_ahead", None)
-    if hub is None:
-        hub = DraftAhead()
-        req_to_token_pool._vericache_draft_ahead = hub
-    return hub
+AHEAD_ATTR = "_vericache_draft_ahead"  # where the prefix cache publishes it on req_to_token_pool
+
+
+def draft_ahead_of(req_to_token_pool: Any) -> DraftAhead | None:
+    """The ``DraftAhead`` the prefix cache of this scheduler made (``srt/radix_cache.py``), for
+    the worker; None without one (no remote tier, fetch drafting off, no vericache tree)."""
+    return getattr(req_to_token_pool, AHEAD_ATTR, None)
 
 
 def batch_proposals(ahead: DraftAhead | None, reqs: Sequence[Any], most: int,

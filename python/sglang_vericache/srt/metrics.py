@@ -165,7 +165,9 @@ class VeriCacheExporter:
 class TierLinkExporter:
     """The remote tier link (``srt/remote_prefix.py``): host bytes of writes and fetches in
     flight beside their bounds (``--vericache-tier-inflight-mb``), whether the tier counts as
-    up, and the link's event counts (lookups, hits, overdue lookups, skipped writes...)."""
+    up, the link's event counts (lookups, hits, overdue lookups, skipped writes...) and the
+    DEMOTED prefixes kept for it (``tier/demoted.py``: entries, pool slots charged, bytes,
+    entries refused)."""
 
     def __init__(self, model_name: str, link: Any) -> None:
         from prometheus_client import Gauge
@@ -179,15 +181,22 @@ class TierLinkExporter:
                             ("kind",))  # fmt: skip
         self._up = gauge("tier_up", "1 while the remote tier answers; 0 while it counts as down.")
         self._events = gauge("tier_link_events", "Tier link event counts since start.", ("event",))
+        self._demoted = gauge("demoted_prefixes", "Compressed KV kept for prefixes whose full "
+                              "KV is in the tier.", ("what",))  # fmt: skip
         bound = gauge("tier_bytes_bound", "Bound on host bytes in flight, by kind.", ("kind",))
         bound.labels(kind="put", **self._labels).set(link.bounds.max_put_bytes)
         bound.labels(kind="fetch", **self._labels).set(link.bounds.max_fetch_bytes)
 
-    def observe(self, link: Any) -> None:
-        """Publish ``link``'s current state (cheap: call after each tier operation)."""
+    def observe(self, link: Any, demoted: Any = None) -> None:
+        """Publish ``link``'s current state and ``demoted``'s (a ``DemotedPrefixes``; cheap:
+        call after each tier operation)."""
         lb = self._labels
         self._bytes.labels(kind="put", **lb).set(link.put_bytes_in_flight())
         self._bytes.labels(kind="fetch", **lb).set(link.fetch_bytes_in_flight())
         self._up.labels(**lb).set(1 if link.tier_up else 0)
         for event, count in link.counters.as_dict().items():
             self._events.labels(event=event, **lb).set(count)
+        if demoted is not None:
+            for what, value in (("entries", len(demoted.entries)), ("bytes", demoted.nbytes),
+                                ("slots", demoted.charged_slots), ("refused", demoted.refused)):
+                self._demoted.labels(what=what, **lb).set(value)

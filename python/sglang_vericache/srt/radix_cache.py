@@ -20,19 +20,22 @@ only where a drafted request's row holds placeholders instead of slots (``srt/of
 Requests decoded plainly (sampling, logprobs, ...) are cached exactly as without
 ``--vericache``.
 
-With a remote tier (``--vericache-tier zmq://...`` / ``lmcache://...``) the full KV of a
-finished drafted sequence goes to the tier (write-through) and its compressed KV stays local
-(``srt/draft_ahead.py``); its full KV comes back into the pool as well where the pool has free
-room (no eviction for it), so the next turn on this server is a device hit. A prompt whose
-prefix the tier holds past the device match is loaded from it instead of recomputed
-(``srt/remote_prefix.py``), and while that fetch runs the request is drafted from the local
-compressed prefix. A prefix computed by one server is a
-hit on every server sharing the tier.
+With a remote tier (``--vericache-tier zmq://...`` / ``lmcache://...``) the full KV of every
+finished sequence goes to the tier (write-through). A drafted sequence's full KV comes back
+into the pool where the pool has free room (FULL: the next turn on this server is a device
+hit), and its compressed KV is kept as a DEMOTED prefix (``tier/demoted.py``), charged to the
+pool: this tree is its ``PoolAccount``. Eviction frees FULL nodes first, then DEMOTED entries,
+and counts both as evictable. A prompt whose prefix the tier holds past the device match is
+loaded from it instead of recomputed (``srt/remote_prefix.py``), and while that fetch runs the
+request is drafted from its DEMOTED prefix (``srt/draft_ahead.py``). A prefix computed by one
+server is a hit on every server sharing the tier.
 """
 
 from __future__ import annotations
 
 import logging
+import math
+from dataclasses import replace
 from typing import Any, Callable
 
 import torch
@@ -44,11 +47,12 @@ from sglang.srt.mem_cache.base_prefix_cache import (
 )
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
 
-from sglang_vericache.srt.draft_ahead import DraftAhead, draft_ahead_for
+from sglang_vericache.srt.draft_ahead import AHEAD_ATTR, DraftAhead
 from sglang_vericache.srt.metrics import TierLinkExporter
 from sglang_vericache.srt.offload import write_pool_all_layers
 from sglang_vericache.srt.offloader import PoolOffloader
 from sglang_vericache.srt.remote_prefix import LINK_ATTR, RemotePrefixLink
+from sglang_vericache.tier.demoted import DemotedPrefixes
 from sglang_vericache.tier.link_bounds import LinkBounds
 
 logger = logging.getLogger(__name__)
@@ -73,11 +77,12 @@ class VeriCacheRadixCache(RadixCache):
         if remote is not None:  # the worker finds it there to report prefill speed
             setattr(params.req_to_token_pool, LINK_ATTR, remote)
         self.tier_metrics = tier_metrics
-        # Compressed prefixes and drafts made while fetching (remote tiers only).
-        self.ahead: DraftAhead | None = (
-            draft_ahead_for(params.req_to_token_pool) if remote is not None and fetch_drafting
-            else None
-        )  # fmt: skip
+        # DEMOTED prefixes and drafts made while fetching (remote tiers only); the worker
+        # finds them on the req_to_token pool.
+        self.ahead: DraftAhead | None = None
+        if remote is not None and fetch_drafting:
+            self.ahead = DraftAhead(DemotedPrefixes(self))
+            setattr(params.req_to_token_pool, AHEAD_ATTR, self.ahead)
         self.freed_seen = 0  # ledger.freed_slots when admission last reopened (admission.py)
         super().__init__(params)
         self.offloader.ledger.tree = self  # PrefixTreeHooks: adopt, evict_cached, cached_tokens
@@ -110,10 +115,52 @@ class VeriCacheRadixCache(RadixCache):
         return own[:duplicates]
 
     def evict_cached(self, num_tokens: int) -> None:
+        """Evict for an allocation of ours (a restore, a reservation): the slots freed must be
+        allocatable at once, also inside SGLang's free group (``_free_deferred``)."""
         self.evict(EvictParams(num_tokens=num_tokens))
+        _free_deferred(self.token_to_kv_pool_allocator)
 
     def cached_tokens(self) -> int:
         return int(self.evictable_size())
+
+    # -- FULL nodes and DEMOTED entries: one pool, one eviction ------------------------------
+
+    def evictable_size(self) -> int:
+        return super().evictable_size() + self._demoted_slots()
+
+    def evict(self, params: EvictParams) -> Any:
+        """Free ``params.num_tokens`` slots: FULL nodes first (LRU, as SGLang), then DEMOTED
+        entries (LRU) for what the tree could not free."""
+        result = super().evict(params)
+        short = params.num_tokens - result.num_tokens_evicted
+        if short <= 0 or not self._demoted_slots():
+            return result
+        freed = self.ahead.store.evict(short)
+        return replace(result, num_tokens_evicted=result.num_tokens_evicted + freed)
+
+    def _demoted_slots(self) -> int:
+        return 0 if self.ahead is None else self.ahead.store.charged_slots
+
+    def slots_for(self, nbytes: int) -> int:
+        """``PoolAccount``: pool slots worth ``nbytes``, whole pages."""
+        page = self.offloader.page
+        return max(1, math.ceil(nbytes / self.offloader.slot_bytes / page)) * page
+
+    def take(self, n: int) -> torch.Tensor | None:
+        """``PoolAccount``: ``n`` free slots for a DEMOTED entry, evicting FULL nodes (never
+        other DEMOTED entries: the store decides those) where the pool lacks them."""
+        allocator = self.token_to_kv_pool_allocator
+        _free_deferred(allocator)  # the store may just have given slots back
+        slots = allocator.alloc(n)
+        if slots is None and not self.disable:
+            super().evict(EvictParams(num_tokens=n))
+            _free_deferred(allocator)
+            slots = allocator.alloc(n)
+        return slots
+
+    def give_back(self, held: torch.Tensor) -> None:
+        """``PoolAccount``: a DEMOTED entry went."""
+        self.token_to_kv_pool_allocator.free(held)
 
     def checkpoint(self, req: Any, *, up_to: int) -> None:
         row = req.kv.req_pool_idx
@@ -121,22 +168,23 @@ class VeriCacheRadixCache(RadixCache):
             if self.offloader.ledger.span(row) is None:  # its KV in the pool: as plain SGLang
                 super().checkpoint(req, up_to=up_to)
             return  # offloaded: the tree adopted its slots when they moved (``adopt``)
+        tokens = None
         if self.remote is not None and _tier_eligible(req):
             tokens = req.full_untruncated_fill_ids[:up_to]
             self.remote.write_through(tokens, self._sequence_reader(row))
+        if not self.disable:
+            # Full KV in the tier: back on the device only where the pool has free room (FULL,
+            # evicted like any cached node when it is needed). A tier that is failing would
+            # lose it: kept on the device as without a tier.
+            in_tier = tokens is not None and self.remote.tier_up
+            evict = (lambda n: None) if in_tier else self.evict_cached
+            super().checkpoint(req, up_to=self._reclaim(req, up_to, evict))
+        if tokens is not None and self.ahead is not None:
+            # after the full KV (which takes the room first): its compressed KV, charged to
+            # the pool, DEMOTED once the tree evicts the FULL node
+            self.ahead.remember(req.rid, tokens)
+        if tokens is not None:
             self._observe_tier()
-            if self.ahead is not None:
-                self.ahead.remember(req.rid, tokens)
-            if self.offloader.ledger.span(row) is not None and self.remote.tier_up:
-                # full KV in the tier, compressed KV local; back on the device too where the
-                # pool has free room (a cached node, evicted like any other when it is needed)
-                if not self.disable:
-                    super().checkpoint(req, up_to=self._reclaim(req, up_to, lambda n: None))
-                return
-            # a tier that is failing would lose it: keep it on the device as without a tier
-        if self.disable:
-            return  # nothing is cached; the row's placeholders are skipped when it is freed
-        super().checkpoint(req, up_to=self._reclaim(req, up_to, self.evict_cached))
 
     def _reclaim(self, req: Any, up_to: int, evict: Callable[[int], Any]) -> int:
         """Point a finished drafted row at device KV again, so SGLang can cache it: positions
@@ -260,12 +308,24 @@ class VeriCacheRadixCache(RadixCache):
 
     def _observe_tier(self) -> None:
         if self.tier_metrics is not None:
-            self.tier_metrics.observe(self.remote)
+            demoted = None if self.ahead is None else self.ahead.store
+            self.tier_metrics.observe(self.remote, demoted)
 
     def reset(self) -> None:
         for row in list(self.offloader.ledger.rows):
             self.offloader.drop(row)
+        if self.ahead is not None:
+            self.ahead.store.clear()  # the flush clears the allocator next, its slots too
         super().reset()
+
+
+def _free_deferred(allocator: Any) -> None:
+    """Free now what the allocator holds for the end of its free group. SGLang opens one
+    around a batch's results, where a finished turn is checkpointed; slots an eviction freed
+    there would otherwise not be allocatable until the group ends."""
+    if getattr(allocator, "free_group", None):
+        allocator.free_group_end()
+        allocator.free_group_begin()
 
 
 def _tier_eligible(req: Any) -> bool:

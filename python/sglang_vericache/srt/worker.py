@@ -47,13 +47,13 @@ import torch
 from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
 
 from sglang_vericache.compress import build_compressor
-from sglang_vericache.config import Placement, TierKind
+from sglang_vericache.config import Placement
 from sglang_vericache.srt.attention import QueryCapture, VeriCacheAttnBackend
 from sglang_vericache.srt.batch_inputs import (
     spec_result,
 )
 from sglang_vericache.srt.decode_steps import DecodeSteps
-from sglang_vericache.srt.draft_ahead import DraftAhead, draft_ahead_for
+from sglang_vericache.srt.draft_ahead import DraftAhead, draft_ahead_of
 from sglang_vericache.srt.draft_length import DraftLengthController
 from sglang_vericache.srt.draft_state import RequestDraftState
 from sglang_vericache.srt.eligibility import (
@@ -136,12 +136,12 @@ class VeriCacheWorker(DecodeSteps, BaseSpecWorker):
 
     @property
     def ahead(self) -> DraftAhead | None:
-        """Drafting while a remote prefix is fetched (remote tiers with fetch drafting on)."""
-        if self._ahead is None and self.config.fetch_drafting and (
-            self.config.tier.kind is not TierKind.HOST
-        ):
-            self._ahead = draft_ahead_for(self.model_runner.req_to_token_pool)
-            self._ahead.attach(self.model_runner.model)
+        """Drafting while a remote prefix is fetched (made by the prefix cache where a remote
+        tier and fetch drafting are on); attached to the model on first use."""
+        if self._ahead is None:
+            self._ahead = draft_ahead_of(self.model_runner.req_to_token_pool)
+            if self._ahead is not None:
+                self._ahead.attach(self.model_runner.model)
         return self._ahead
 
     @property
