@@ -1,7 +1,9 @@
 """Agent sessions on one --vericache server whose full-KV prefixes come back from a slow tier.
 
-With a remote tier a ``--vericache`` server keeps only the compressed KV of finished turns on
-the device; the full KV lives in the KV server. Every next turn must fetch its prefix back.
+With a remote tier a ``--vericache`` server writes every finished turn through to the KV server
+and keeps it on the device while the pool has room. With ``--kv-budget`` short of the sessions'
+prefixes, eviction demotes a turn (its compressed KV stays, its full KV is in the tier), and
+its next turn must fetch the prefix back: that is where drafting while fetching can pay.
 Side by side, same sessions, greedy, each configuration with its own fresh KV server throttled
 to ``--bandwidth-mbps`` (default 100 MB/s):
 
@@ -12,6 +14,7 @@ to ``--bandwidth-mbps`` (default 100 MB/s):
   full KV streams in; the first verifications check those drafts.
 
     python benchmark/fetch_drafting.py              # 2 sessions x 5 turns, 64 tokens per answer
+    python benchmark/fetch_drafting.py --kv-budget 4096 --bandwidth-mbps 25   # turns demoted
 
 Writes benchmark/results/fetch_drafting.{json,md}: median TTFT and end-to-end latency per turn,
 the ratios, the drafts made / verified while fetching (from the server logs), and whether every
@@ -64,8 +67,12 @@ def main() -> None:
     ap.add_argument("--no-plain", action="store_true",
                     help="skip the plain server (answers are then compared between the two "
                     "VeriCache configurations only)")
+    ap.add_argument("--kv-budget", type=int, default=None,
+                    help="every server's --max-total-tokens (default: build_sessions' ample one)")
     args = ap.parse_args()
     work, sessions, base = build_sessions(args, "fetch-drafting-")
+    if args.kv_budget is not None:
+        base[base.index("--max-total-tokens") + 1] = str(args.kv_budget)
     configs = {n: d for n, d in CONFIGS.items() if not (args.no_plain and d is None)}
     runs = {name: run_config(name, d, base, sessions, work, args) for name, d in configs.items()}
     report = summarize(runs, args)
@@ -81,6 +88,7 @@ def summarize(runs: dict[str, dict], args: argparse.Namespace) -> dict:
     return {
         "sessions": args.sessions, "turns": args.turns, "max_tokens": args.max_tokens,
         "bandwidth_mb_s": args.bandwidth_mbps, "think_s": args.think_s,
+        "kv_budget": args.kv_budget,
         "compressor": args.compressor,
         "reference": next(iter(hashes)),
         "identical_outputs": {name: h == next(iter(hashes.values())) for name, h in hashes.items()},
@@ -95,7 +103,8 @@ def markdown(report: dict) -> str:
     lines = [f"{report['sessions']} agent sessions x {report['turns']} turns on one server, "
              f"{report['max_tokens']} tokens per answer, {report['think_s']:g} s between turns; "
              f"KV server throttled to {report['bandwidth_mb_s']:g} MB/s; compressor "
-             f"`{report['compressor']}`. Medians over sessions.", "",
+             f"`{report['compressor']}`; KV budget {report.get('kv_budget') or 'ample'} tokens. "
+             "Medians over sessions.", "",
              "| turn | prompt tokens | cached tokens | "
              + " | ".join(f"TTFT s: {n}" for n in names) + " | "
              + " | ".join(f"E2E s: {n}" for n in names)

@@ -126,7 +126,7 @@ class CompressedLayerCache:
 
     def clone(self, drop_last: int = 0) -> "CompressedLayerCache":
         """An independent copy without the window's newest ``drop_last`` tokens (a stored
-        prefix's past-the-end positions, ``srt/draft_ahead.StoredPrefix``).
+        prefix's past-the-end positions, ``tier/demoted.DemotedPrefix``).
 
         The body is immutable and shared; a quantized body's window is replaced, never written
         in place, so it is shared too; a view buffer is written in place past its view, so the
