@@ -2,8 +2,9 @@
 
 With a remote tier the device keeps the *compressed* KV of finished sequences
 (``tier/demoted.py``: DEMOTED prefixes, charged to the KV pool) while their full KV is in the
-tier. When the next turn arrives and the tree has evicted its full-KV prefix, that prefix must be
-fetched before SGLang can prefill it, and the request waits in the queue. Meanwhile ``DraftAhead`` drafts it from the compressed prefix on a background thread::
+tier. When the next turn arrives and the tree has evicted its full-KV prefix, that prefix must
+be fetched before SGLang can prefill it, and the request waits in the queue. Meanwhile
+``DraftAhead`` drafts it from the compressed prefix on a background thread::
 
     queue:   [ lookup | fetch full KV ..................... ] admit, prefill -> t1
     ahead:   [ match compressed prefix | prefill suffix (lossy) | d1 d2 d3 ... dn ]

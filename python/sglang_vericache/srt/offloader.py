@@ -125,9 +125,13 @@ class PoolOffloader:
         keys = self.pool.get_key_buffer(0)  # [slots, H_kv, D]
         return HostKV(self.num_layers, keys.shape[1], keys.shape[2], keys.dtype)
 
+    def slots_for(self, nbytes: int) -> int:
+        """Pool slots worth ``nbytes`` of compressed KV, in whole pages (0 for 0 bytes)."""
+        return math.ceil(nbytes / self.slot_bytes / self.page) * self.page
+
     def _reserve(self, entry: Any, compressed_bytes: int) -> int:
         """Hold pool slots worth ``compressed_bytes`` for the row (its share of the budget)."""
-        need = math.ceil(compressed_bytes / self.slot_bytes / self.page) * self.page
+        need = self.slots_for(compressed_bytes)
         extra = need - int(entry.reserved.numel())
         if extra <= 0:
             return 0

@@ -34,7 +34,6 @@ server is a hit on every server sharing the tier.
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import replace
 from typing import Any, Callable
 
@@ -142,9 +141,8 @@ class VeriCacheRadixCache(RadixCache):
         return 0 if self.ahead is None else self.ahead.store.charged_slots
 
     def slots_for(self, nbytes: int) -> int:
-        """``PoolAccount``: pool slots worth ``nbytes``, whole pages."""
-        page = self.offloader.page
-        return max(1, math.ceil(nbytes / self.offloader.slot_bytes / page)) * page
+        """``PoolAccount``: pool slots worth ``nbytes``, whole pages (at least one)."""
+        return max(self.offloader.page, self.offloader.slots_for(nbytes))
 
     def take(self, n: int) -> torch.Tensor | None:
         """``PoolAccount``: ``n`` free slots for a DEMOTED entry, evicting FULL nodes (never
@@ -179,11 +177,11 @@ class VeriCacheRadixCache(RadixCache):
             in_tier = tokens is not None and self.remote.tier_up
             evict = (lambda n: None) if in_tier else self.evict_cached
             super().checkpoint(req, up_to=self._reclaim(req, up_to, evict))
-        if tokens is not None and self.ahead is not None:
-            # after the full KV (which takes the room first): its compressed KV, charged to
-            # the pool, DEMOTED once the tree evicts the FULL node
-            self.ahead.remember(req.rid, tokens)
         if tokens is not None:
+            if self.ahead is not None:
+                # after the full KV (which takes the room first): its compressed KV, charged
+                # to the pool, DEMOTED once the tree evicts the FULL node
+                self.ahead.remember(req.rid, tokens)
             self._observe_tier()
 
     def _reclaim(self, req: Any, up_to: int, evict: Callable[[int], Any]) -> int:
