@@ -105,12 +105,14 @@ def test_restore_fails_cleanly_when_the_pool_is_full() -> None:
 
 
 def test_release_for_admission_frees_the_largest_reservations_until_the_deficit_is_covered() -> None:
-    """Where drafting does not pay, offloaded rows give their compressed-KV slots to admission:
-    largest first, only as many rows as the deficit needs, and admission sees them freed."""
+    """A request waits for room the drafted rows' compressed KV holds: the planner hears of it
+    only when those slots would cover its deficit. Where drafting does not pay, offloaded rows
+    give their compressed-KV slots to admission: largest first, only as many rows as the
+    deficit needs, and admission sees them freed."""
     from types import SimpleNamespace
 
     from sglang_vericache.srt.offloader import PoolOffloader
-    from sglang_vericache.srt.step_costs import release_for_admission
+    from sglang_vericache.srt.step_costs import joining_contexts, release_for_admission
 
     kv, rows, alloc = _pools(1)
     off = PoolOffloader(kv, rows, alloc, LAYERS)
@@ -120,7 +122,12 @@ def test_release_for_admission_frees_the_largest_reservations_until_the_deficit_
     _fill_row(rows, alloc, 3, 20)  # resident: nothing reserved, nothing to give
     batch = SimpleNamespace(req_pool_indices=torch.tensor([0, 1, 2, 3]))
     assert release_for_admission(batch, [0, 1, 2, 3], off) == []  # nobody waits for room
+    assert joining_contexts(batch, [0, 1, 2, 3], off) == []
+    off.ledger.admission_deficit, off.ledger.waiting_context = 61, 500
+    assert joining_contexts(batch, [0, 1, 2, 3], off) == []  # 60 slots held: it would not fit
     off.ledger.admission_deficit = 25
+    assert joining_contexts(batch, [0, 1, 2, 3], off) == [500]  # the planner weighs it in
+    assert joining_contexts(batch, [0, 3], off) == []  # row 0's 10 slots are too few
     free0, freed0 = alloc.available_size(), off.ledger.freed_slots
     assert release_for_admission(batch, [0, 1, 2, 3], off) == [1]  # 30 slots cover 25
     assert alloc.available_size() == free0 + 30 and off.ledger.freed_slots == freed0 + 30

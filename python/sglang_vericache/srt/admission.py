@@ -79,6 +79,7 @@ def _new_prefill_around(original: Callable[..., Any], scheduler: Any, *args: Any
     attempt_runs = running_batch is not None and not running_batch.batch_is_full
     if offloader is not None and (not scheduler.waiting_queue or attempt_runs):
         offloader.ledger.admission_deficit = 0  # an attempt runs now and reports afresh
+        offloader.ledger.waiting_context = 0
     return original(scheduler, *args, **kw)
 
 
@@ -104,6 +105,7 @@ def _add_one_req_around(original: Callable[..., Any], adder: Any, req: Any, *arg
         max_new = min(max(sp.max_new_tokens - len(req.output_ids), 0), CLIP_MAX_NEW_TOKENS)
         needed = len(req.full_untruncated_fill_ids) - req.prefix_len + max_new  # as SGLang asks
         offloader.ledger.admission_deficit = admission_deficit(needed, adder.rem_total_tokens)
+        offloader.ledger.waiting_context = len(req.full_untruncated_fill_ids)
     return result
 
 

@@ -36,7 +36,7 @@ from sglang_vericache.srt.eligibility import StepRows, decode_mode
 from sglang_vericache.srt.row_acceptance import SampledDrafts, draft_column
 from sglang_vericache.srt.row_sampling import commit_verify
 from sglang_vericache.srt.step_costs import (
-    draft_shape,
+    joining_contexts,
     plain_shape,
     release_for_admission,
     relieve_pressure,
@@ -45,7 +45,7 @@ from sglang_vericache.srt.step_costs import (
 )
 from sglang_vericache.verify import VerifyRecord
 from sglang_vericache.verify.grammar_chain import GrammarChain
-from sglang_vericache.verify.step_cost import ForwardKind
+from sglang_vericache.verify.step_cost import ForwardKind, ForwardShape
 from sglang_vericache.verify.step_plan import PLAIN_FASTER
 from sglang_vericache.verify.step_profile import Phase
 
@@ -62,7 +62,8 @@ class DecodeSteps:
         self._sync_states(batch, step.drafted)
         moved = relieve_pressure(batch, self.states, self.offloader,
                                  self.speculative_num_draft_tokens)  # fmt: skip
-        plan = self.draft_length.plan(step_rows(batch, self.states, step.drafted))
+        plan = self.draft_length.plan(step_rows(batch, self.states, step.drafted),
+                                      joining_contexts(batch, step.drafted, self.offloader))
         if plan.reason == PLAIN_FASTER:
             self._demote_for_room(batch, step.drafted)
         if self.metrics is not None:
@@ -139,7 +140,7 @@ class DecodeSteps:
                 started = time.perf_counter()
                 out = self.target_worker.forward_batch_generation(batch, is_verify=True)
                 self.draft_length.observe_forward(ForwardKind.DRAFT,
-                                                  draft_shape(plan.view_tokens, j),
+                                                  ForwardShape.draft(plan.view_tokens, j),
                                                   time.perf_counter() - started)  # fmt: skip
                 self.clock.count_draft_forward()
                 rows[:, j + 1] = draft_column(j, out.logits_output.next_token_logits, sampled,

@@ -47,7 +47,9 @@ class DraftLengthController:
         self.planner = StepPlanner(min(2, max_drafts), max_drafts)
         self.estimates: dict[str, AcceptanceEstimate] = {}
 
-    def plan(self, rows: Sequence[StepRow]) -> StepDecision:
+    def plan(self, rows: Sequence[StepRow], joining: Sequence[int] = ()) -> StepDecision:
+        """``joining``: contexts of waiting requests the drafted rows' compressed KV keeps out
+        (``StepPlanner.plan``)."""
         if not any(r.drafts for r in rows):
             return StepDecision(0, "no row can draft")
         if self.fixed is not None:
@@ -55,7 +57,7 @@ class DraftLengthController:
         return self.planner.plan([
             PlannedRow(r.context, r.compressed, self._estimate(r.rid).alpha, max(1, r.remaining),
                        r.drafts) for r in rows
-        ])  # fmt: skip
+        ], [PlannedRow(context, 0, 0.0, 1, False) for context in joining])  # fmt: skip
 
     def observe(self, rid: str, drafted: int, accepted: int) -> None:
         self._estimate(rid).update(drafted, accepted)

@@ -2,12 +2,13 @@
 
 - ``step_rows``: each row's context, compressed-view size and remaining budget, for the
   draft-or-plain decision (``srt/draft_length.py`` -> ``verify/step_plan.py``);
-- ``*_shape``: the shape of each forward the worker times, for the cost fit
-  (``verify/step_cost.py``);
+- ``plain_shape`` / ``verify_shape``: the shape of the full-KV forwards the worker times, for
+  the cost fit (``verify/step_cost.py``; draft forwards: ``ForwardShape.draft``);
 - ``relieve_pressure``: offload resident drafted rows while admission or the next step is short
   of pool slots (``placement.py``);
-- ``release_for_admission``: where drafting does not pay, free offloaded rows' compressed-KV
-  slots for admission (those rows then decode offload-only).
+- ``joining_contexts`` / ``release_for_admission``: the request waiting for the slots that
+  drafted rows' compressed KV holds, and, where drafting does not pay (with that request in a
+  plain batch), freeing those slots for it (the rows then decode offload-only).
 """
 
 from __future__ import annotations
@@ -33,22 +34,13 @@ def step_rows(batch: Any, states: Mapping[str, Any], drafted: Sequence[int]) -> 
 
 
 def plain_shape(batch: Any) -> ForwardShape:
-    """One-token decode over the full KV: each row reads its context plus the new token."""
-    n = len(batch.reqs)
-    return ForwardShape(n, n, int(batch.seq_lens_cpu.sum()) + n)
-
-
-def draft_shape(view_tokens: Sequence[int], step: int) -> ForwardShape:
-    """Draft forward ``step`` (0-based): row i reads its compressed view (0 for rows riding
-    along) plus its draft chain so far."""
-    n = len(view_tokens)
-    return ForwardShape(n, n, sum(view_tokens) + n * (step + 1))
+    """The batch's one-token decode over the full KV."""
+    return ForwardShape.plain(batch.seq_lens_cpu.tolist())
 
 
 def verify_shape(batch: Any, width: int) -> ForwardShape:
-    """A width-W verify: W queries per row sharing one pass over context + W keys."""
-    n = len(batch.reqs)
-    return ForwardShape(n, n * width, int(batch.seq_lens_cpu.sum()) + n * width)
+    """The batch's width-W verify over the full KV."""
+    return ForwardShape.verify(batch.seq_lens_cpu.tolist(), width)
 
 
 def relieve_pressure(batch: Any, states: Mapping[str, Any], offloader: Any, width: int) -> int:
@@ -77,6 +69,17 @@ def relieve_pressure(batch: Any, states: Mapping[str, Any], offloader: Any, widt
     return moved
 
 
+def joining_contexts(batch: Any, drafted: Sequence[int], offloader: Any) -> list[int]:
+    """The context of the request admission could not fit, when the drafted rows' compressed-KV
+    slots would make room for it (``release_for_admission`` frees them); none otherwise. The
+    planner weighs plain decoding with that request in the batch (``verify/step_plan.py``)."""
+    ledger = offloader.ledger
+    if ledger.admission_deficit <= 0 or ledger.waiting_context <= 0:
+        return []
+    held = sum(slots for slots, _ in _reservations(batch, drafted, ledger))
+    return [ledger.waiting_context] if held >= ledger.admission_deficit else []
+
+
 def release_for_admission(batch: Any, drafted: Sequence[int], offloader: Any) -> list[int]:
     """Rows (of ``drafted``) whose reserved compressed-KV slots are freed for admission: the
     largest reservations first, until the deficit admission reported is covered. Call only
@@ -85,15 +88,21 @@ def release_for_admission(batch: Any, drafted: Sequence[int], offloader: Any) ->
     if ledger.admission_deficit <= 0:
         return []
     pool_rows = batch.req_pool_indices.tolist()
-    held = []
-    for i in drafted:
-        span = ledger.span(pool_rows[i])
-        if span is not None and span.reserved.numel():
-            held.append((int(span.reserved.numel()), i))
     released, freed = [], 0
-    for _, i in sorted(held, reverse=True):
+    for _, i in sorted(_reservations(batch, drafted, ledger), reverse=True):
         if freed >= ledger.admission_deficit:
             break
         freed += offloader.release_reserved(pool_rows[i])
         released.append(i)
     return released
+
+
+def _reservations(batch: Any, drafted: Sequence[int], ledger: Any) -> list[tuple[int, int]]:
+    """(reserved compressed-KV slots, batch index) of the ``drafted`` rows that hold some."""
+    pool_rows = batch.req_pool_indices.tolist()
+    held = []
+    for i in drafted:
+        span = ledger.span(pool_rows[i])
+        if span is not None and span.reserved.numel():
+            held.append((int(span.reserved.numel()), i))
+    return held

@@ -11,10 +11,16 @@ compressed-view decode, the masked verify) whose constants differ by backend and
 same code learns that host KV is a copy away on a CPU and a PCIe crossing on a GPU. Recursive
 least squares with a weak ridge prior and a forgetting factor follows drifting load (these
 machines are shared). No torch, no clock: the caller measures, this remembers.
+
+A fit is trusted only near what it has seen (``covers``): a few forwards of one shape cannot
+tell fixed from per-token from per-KV-token cost, so the fit a fresh server learns from its
+warm-up request (one row, ~40 tokens) says little about eight rows of 2k tokens. A shape more
+than ``reach`` times the largest rows or KV read observed is measured before it is predicted.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -42,6 +48,23 @@ class ForwardShape:
         if not (self.rows >= 1 and self.queries >= self.rows and self.kv_read >= 0):
             raise ValueError(f"need rows >= 1, queries >= rows, kv_read >= 0: {self}")
 
+    @classmethod
+    def plain(cls, contexts: Sequence[int]) -> ForwardShape:
+        """A one-token decode: row i reads its ``contexts[i]`` committed tokens and the new one."""
+        return cls(len(contexts), len(contexts), sum(contexts) + len(contexts))
+
+    @classmethod
+    def draft(cls, views: Sequence[int], step: int) -> ForwardShape:
+        """Draft forward ``step`` (0-based): row i reads its compressed view of ``views[i]``
+        tokens (0 for a row riding along undrafted) and its draft chain so far."""
+        return cls(len(views), len(views), sum(views) + len(views) * (step + 1))
+
+    @classmethod
+    def verify(cls, contexts: Sequence[int], width: int) -> ForwardShape:
+        """A width-W verify: W queries per row sharing one pass over its context + W keys."""
+        n = len(contexts)
+        return cls(n, n * width, sum(contexts) + n * width)
+
     def features(self) -> tuple[float, float, float]:
         return 1.0, float(self.queries), float(self.kv_read)
 
@@ -50,11 +73,13 @@ class ForwardShape:
 class CostFitConfig:
     """forgetting: weight kept per observation (1 = never forget); prior: ridge strength on the
     coefficients (a prior of zero cost, worth this many pseudo-observations per unit feature);
-    min_samples: observations before a kind's prediction is trusted."""
+    min_samples: observations before a kind's prediction is trusted; reach: how far past the
+    largest rows and KV read observed a prediction is trusted (``LinearCost.covers``)."""
 
     forgetting: float = 0.98
     prior: float = 1e-6
     min_samples: int = 3
+    reach: float = 2.0
 
     def __post_init__(self) -> None:
         if not 0.5 < self.forgetting <= 1.0:
@@ -63,6 +88,8 @@ class CostFitConfig:
             raise ValueError(f"prior must be > 0, got {self.prior}")
         if self.min_samples < 1:
             raise ValueError(f"min_samples must be >= 1, got {self.min_samples}")
+        if not self.reach >= 1.0:
+            raise ValueError(f"reach must be >= 1, got {self.reach}")
 
 
 class LinearCost:
@@ -81,6 +108,7 @@ class LinearCost:
         self._p = [[1.0 / config.prior if i == j else 0.0 for j in range(FEATURES)]
                    for i in range(FEATURES)]  # fmt: skip
         self._theta = [0.0] * FEATURES
+        self.max_rows = self.max_kv_read = 0  # the largest shape observed (never forgotten)
 
     def _x(self, shape: ForwardShape) -> list[float]:
         return [f * s for f, s in zip(shape.features(), self._SCALE)]
@@ -97,10 +125,20 @@ class LinearCost:
         self._p = [[(p[i][j] - gain[i] * px[j]) / lam for j in range(FEATURES)]
                    for i in range(FEATURES)]  # fmt: skip
         self.samples += 1
+        self.max_rows = max(self.max_rows, shape.rows)
+        self.max_kv_read = max(self.max_kv_read, shape.kv_read)
 
     @property
     def ready(self) -> bool:
         return self.samples >= self.config.min_samples
+
+    def covers(self, shape: ForwardShape) -> bool:
+        """Ready, and ``shape`` within ``reach`` of the largest rows and KV read observed:
+        smaller shapes lean on the fixed cost, which every sample measures; larger ones would
+        extrapolate per-token costs the data may not have separated."""
+        reach = self.config.reach
+        return self.ready and shape.rows <= reach * self.max_rows and (
+            shape.kv_read <= reach * self.max_kv_read)  # fmt: skip
 
     def predict(self, shape: ForwardShape) -> float:
         return max(0.0, sum(t * xi for t, xi in zip(self._theta, self._x(shape))))
@@ -121,6 +159,9 @@ class StepCostModel:
 
     def ready(self, kind: ForwardKind) -> bool:
         return self.fits[kind].ready
+
+    def covers(self, kind: ForwardKind, shape: ForwardShape) -> bool:
+        return self.fits[kind].covers(shape)
 
     def predict(self, kind: ForwardKind, shape: ForwardShape) -> float | None:
         fit = self.fits[kind]

@@ -20,7 +20,17 @@ Afterwards it now and then runs the mode it would not have chosen, so a fit neve
 while the other mode is winning: first after ``explore_every`` decisions, then twice as long
 after each exploration that confirmed the choice (up to ``explore_max``), and back to
 ``explore_every`` when one changed it. An exploration into drafting drafts the shortest chain:
-it is a probe, and where drafting loses every extra draft is lost time.
+it is a probe, and where drafting loses every extra draft is lost time. A batch that outgrew
+what a fit has seen (``StepCostModel.covers``: the warm-up request measured one short row) is
+measured again before it is predicted.
+
+Under a short budget the compressed KV is not free: its pool slots keep waiting requests out.
+When admission lacks no more than the drafted rows' compressed KV holds, the worker names the
+request that would get in (``joining``), and plain decoding is weighed over the batch with it:
+dropping the compressed KV (the rows decode offload-only from then on) wins unless drafting
+this batch commits more per second than plain decoding a larger one::
+
+    plain rate = (rows + joining) / T_plain(rows + joining, sum L_i + sum L_joining + ...)
 """
 
 from __future__ import annotations
@@ -69,10 +79,6 @@ class PlannerConfig:
             raise ValueError(f"need margin >= 0 and 2 <= explore_every <= explore_max: {self}")
 
 
-def _verify_kv_read(rows: Sequence[PlannedRow], width: int) -> int:
-    return sum(r.context + width for r in rows)  # row i's W queries share one pass over L_i + W
-
-
 class StepPlanner:
     """Chooses each decode step's draft count from measured costs; no torch, no clock.
 
@@ -93,16 +99,21 @@ class StepPlanner:
     def observe(self, kind: ForwardKind, shape: ForwardShape, seconds: float) -> None:
         self.costs.observe(kind, shape, seconds)
 
-    def plan(self, rows: Sequence[PlannedRow]) -> StepDecision:
+    def plan(self, rows: Sequence[PlannedRow],
+             joining: Sequence[PlannedRow] = ()) -> StepDecision:  # fmt: skip
+        """This step's draft count for ``rows``; ``joining``: rows that would be admitted if the
+        drafted rows dropped their compressed KV (module doc), decoded plainly if they join."""
         if not any(r.drafts for r in rows):
             return StepDecision(0, "no row can draft")
         self.decisions += 1
-        if not self.costs.ready(ForwardKind.PLAIN):
+        if not self.costs.covers(ForwardKind.PLAIN, plain_shape(rows)):
             return StepDecision(0, "measuring plain decode")
-        if not (self.costs.ready(ForwardKind.DRAFT) and self.costs.ready(ForwardKind.VERIFY)):
+        probe = self._cap(rows, self.min_drafts)
+        if not (self.costs.covers(ForwardKind.DRAFT, draft_shape(rows, 0))
+                and self.costs.covers(ForwardKind.VERIFY, verify_shape(rows, probe + 1))):
             odd = self.costs.fits[ForwardKind.VERIFY].samples % 2  # chains of 2, 4, 2 drafts
             return StepDecision(self._cap(rows, self.min_drafts * (1 + odd)), "measuring drafting")
-        plain_rate = self.plain_rate(rows)
+        plain_rate = self.plain_rate([*rows, *joining])
         x, draft_rate = max(((x, self.draft_rate(rows, x)) for x in self._candidates(rows)),
                             key=lambda pair: (pair[1], pair[0]))  # fmt: skip
         drafting = draft_rate > plain_rate * (1.0 + self.config.margin)
@@ -135,24 +146,27 @@ class StepPlanner:
         return max(self.min_drafts, min(x, most))
 
     def plain_rate(self, rows: Sequence[PlannedRow]) -> float:
-        n = len(rows)
-        shape = ForwardShape(n, n, sum(r.context + 1 for r in rows))
-        seconds = self.costs.predict(ForwardKind.PLAIN, shape)
-        return n / max(seconds or 0.0, 1e-9)
+        seconds = self.costs.predict(ForwardKind.PLAIN, plain_shape(rows))
+        return len(rows) / max(seconds or 0.0, 1e-9)
 
     def draft_rate(self, rows: Sequence[PlannedRow], x: int) -> float:
-        n, width = len(rows), x + 1
         seconds = 0.0
         for j in range(x):
-            kv_read = sum((r.compressed if r.drafts else 0) + j + 1 for r in rows)
-            seconds += self.costs.predict(ForwardKind.DRAFT, ForwardShape(n, n, kv_read)) or 0.0
-        verify = ForwardShape(n, n * width, _verify_kv_read(rows, width))
-        seconds += self.costs.predict(ForwardKind.VERIFY, verify) or 0.0
+            seconds += self.costs.predict(ForwardKind.DRAFT, draft_shape(rows, j)) or 0.0
+        seconds += self.costs.predict(ForwardKind.VERIFY, verify_shape(rows, x + 1)) or 0.0
         committed = sum(expected_committed(r.alpha, min(x, max(0, r.remaining - 1)))
                         if r.drafts else 1.0 for r in rows)  # fmt: skip
         return committed / max(seconds, 1e-9)
 
 
+def plain_shape(rows: Sequence[PlannedRow]) -> ForwardShape:
+    return ForwardShape.plain([r.context for r in rows])
+
+
+def draft_shape(rows: Sequence[PlannedRow], step: int) -> ForwardShape:
+    return ForwardShape.draft([r.compressed if r.drafts else 0 for r in rows], step)
+
+
 def verify_shape(rows: Sequence[PlannedRow], width: int) -> ForwardShape:
     """The shape of a verify of ``width`` over ``rows`` (what the worker observes)."""
-    return ForwardShape(len(rows), len(rows) * width, _verify_kv_read(rows, width))
+    return ForwardShape.verify([r.context for r in rows], width)

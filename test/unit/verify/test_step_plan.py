@@ -12,7 +12,16 @@ from sglang_vericache.verify.step_cost import (
     LinearCost,
     StepCostModel,
 )
-from sglang_vericache.verify.step_plan import PlannedRow, PlannerConfig, StepPlanner, verify_shape
+from sglang_vericache.verify.step_plan import (
+    PLAIN_FASTER,
+    PlannedRow,
+    PlannerConfig,
+    StepDecision,
+    StepPlanner,
+    draft_shape,
+    plain_shape,
+    verify_shape,
+)
 
 # benchmark/model.py's CPU fit: 58 ms per forward + 9 ms per query token + 11 us per KV token
 CPU = (0.058, 0.009, 11e-6)
@@ -173,3 +182,52 @@ def test_rows_that_cannot_draft_never_plan_drafts() -> None:
 def test_verify_shape_reads_each_row_once() -> None:
     shape = verify_shape(batch(2, 100), 5)
     assert (shape.rows, shape.queries, shape.kv_read) == (2, 10, 210)
+
+
+def test_a_batch_past_what_the_fits_have_seen_is_measured_before_it_is_predicted() -> None:
+    """A fresh server's fits come from its warm-up request (one row, ~40 tokens): too little to
+    tell fixed from per-token cost. Eight rows of 2k tokens are measured first (plain, then
+    drafting), and only then predicted; a batch near the warm-up's shape is predicted at once."""
+    planner = StepPlanner(2, 7, NEVER)
+    warm = [PlannedRow(40, 40, 0.9, 64, True)]
+    for _ in range(3):
+        planner.observe(ForwardKind.PLAIN, plain_shape(warm), 0.060)
+        planner.observe(ForwardKind.DRAFT, draft_shape(warm, 0), 0.060)
+        planner.observe(ForwardKind.VERIFY, verify_shape(warm, 3), 0.070)
+    assert planner.plan(warm).reason not in ("measuring plain decode", "measuring drafting")
+    rows = batch(8, 2000)
+    assert planner.plan(rows) == StepDecision(0, "measuring plain decode")
+    planner.observe(ForwardKind.PLAIN, plain_shape(rows), cpu_seconds(plain_shape(rows)))
+    measuring = planner.plan(rows)
+    assert measuring.reason == "measuring drafting" and measuring.drafts >= 2
+    for j in range(measuring.drafts):
+        shape = draft_shape(rows, j)
+        planner.observe(ForwardKind.DRAFT, shape, 3 * cpu_seconds(shape))
+    shape = verify_shape(rows, measuring.drafts + 1)
+    planner.observe(ForwardKind.VERIFY, shape, cpu_seconds(shape))
+    decided = planner.plan(rows)  # drafts measured at 3x the cost model's: plain decoding wins
+    assert decided.drafts == 0 and decided.reason == PLAIN_FASTER
+
+
+# a GPU-like fit: the fixed cost of a forward dominates, a row more costs little
+FIXED_HEAVY = (0.010, 0.0002, 1e-6)
+
+
+def test_a_waiting_request_turns_a_marginal_draft_into_plain_decoding_with_it() -> None:
+    """Under a short budget the compressed KV keeps a request out: drafting must then beat plain
+    decoding of the batch *with* that request. Where it barely paid it stops; where it pays
+    well it goes on."""
+    planner = trained_planner(coef=FIXED_HEAVY)
+    marginal = batch(2, 4000)
+    alone = planner.plan(marginal)
+    assert alone.drafts > 0 and alone.draft_rate < 1.2 * alone.plain_rate
+    joined = planner.plan(marginal, [PlannedRow(4000, 0, 0.0, 1, False)])
+    assert joined.drafts == 0 and joined.reason == PLAIN_FASTER
+    assert joined.plain_rate > 1.2 * alone.plain_rate  # three rows for little more than two
+    strong = batch(4, 8000, alpha=0.98)
+    assert planner.plan(strong, [PlannedRow(8000, 0, 0.0, 1, False)]).drafts > 0
+
+
+def test_cost_fit_reach_must_be_at_least_one() -> None:
+    with pytest.raises(ValueError):
+        CostFitConfig(reach=0.5)
