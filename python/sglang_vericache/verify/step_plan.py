@@ -30,7 +30,7 @@ request that would get in (``joining``), and plain decoding is weighed over the 
 dropping the compressed KV (the rows decode offload-only from then on) wins unless drafting
 this batch commits more per second than plain decoding a larger one::
 
-    plain rate = (rows + joining) / T_plain(rows + joining, sum L_i + sum L_joining + ...)
+    plain rate = (rows + joining) / T_plain(rows + joining, sum over both of (L + 1))
 """
 
 from __future__ import annotations
