@@ -3,14 +3,15 @@
 The tree makes its ``DemotedPrefixes`` only with a remote tier; here it gets one directly (the
 tier's part is ``test/e2e/test_remote_prefix.py``). What is checked is the accounting SGLang
 relies on: allocator free count + the tree's evictable size + protected size == pool size,
-eviction frees FULL nodes before DEMOTED entries, and a flush leaks and double-frees nothing.
+eviction frees FULL nodes before DEMOTED entries, and a flush leaks and double-frees nothing;
+and, with a real tier link, that a finished turn comes back FULL under pressure.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from test_offload import SLOTS, _with_tree
+from test_offload import D, H_KV, LAYERS, SLOTS, _fill_row, _full_kv, _pools, _tree_slots, _with_tree
 
 from sglang_vericache.srt.draft_ahead import DraftAhead
 from sglang_vericache.tier.demoted import DemotedPrefixes
@@ -112,3 +113,72 @@ def test_slots_evicted_inside_sglangs_free_group_are_taken_at_once() -> None:
         alloc.free_group_end()
     alloc.free(hog)
     assert _accounted(tree, alloc) == SLOTS
+
+
+def test_a_finished_turn_comes_back_full_evicting_older_cached_nodes_with_a_tier_up() -> None:
+    """With a tier up, a finished request's offloaded full KV comes back into the pool even when
+    no slot is free: older cached nodes are evicted for it (LRU), as plain SGLang keeps a
+    finished request's KV. It used to come back only into free room, so under pressure the next
+    turn of a conversation (seconds later) found nothing on the device and recomputed or
+    fetched it, while plain SGLang hit it."""
+    from types import SimpleNamespace
+
+    from sglang.srt.managers.schedule_batch import ReqKvInfo
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+
+    from sglang_vericache.srt.offloader import PoolOffloader
+    from sglang_vericache.srt.radix_cache import VeriCacheRadixCache
+    from sglang_vericache.srt.remote_prefix import RemotePrefixLink
+    from sglang_vericache.tier.geometry import KVGeometry
+    from sglang_vericache.tier.host import HostTier
+
+    kv, rows, alloc = _pools(1)
+    geometry = KVGeometry("test-model", num_layers=LAYERS, num_kv_heads=H_KV, head_dim=D,
+                          dtype="float32", chunk_tokens=8)  # fmt: skip
+    link = RemotePrefixLink(HostTier(geometry, capacity_bytes=1 << 20))
+    params = CacheInitParams(disable=False, req_to_token_pool=rows,
+                             token_to_kv_pool_allocator=alloc, page_size=1)  # fmt: skip
+    tree = VeriCacheRadixCache(params, LAYERS, verify_width=5, remote=link, fetch_drafting=False)
+    worker = PoolOffloader(kv, rows, alloc, LAYERS)
+    total = alloc.available_size()
+
+    turn = list(range(3000, 3040))  # a conversation's turn, decoded from its host copy
+    req = SimpleNamespace(rid="t", full_untruncated_fill_ids=turn, origin_input_ids=turn[:30],
+                          extra_key=None, cache_salt=None, priority=None,
+                          kv=ReqKvInfo(req_pool_idx=1, cache_protected_len=0, kv_allocated_len=40),
+                          lock=tree.lock(tree.root_node), last_node=tree.root_node,
+                          finished=lambda: True)  # fmt: skip
+    _fill_row(rows, alloc, 1, 40)
+    before = _full_kv(worker, 1, 40)
+    worker.offload(1, 0, committed=40, compressed_bytes=0, req=req)
+    tree.evict(EvictParams(num_tokens=SLOTS))  # pressure took the slots the tree adopted
+    older = list(range(5000, 5064))
+    tree.insert(InsertParams(key=RadixKey(older), value=alloc.alloc(64)))  # another session
+    hog = alloc.alloc(alloc.available_size())  # running requests hold every free slot
+    assert link.tier_up and alloc.available_size() == 0
+
+    tree.checkpoint(req, up_to=40)  # release_kv_cache's calls, in its order
+    tree.free_kv_row(req.kv, [(req.kv.cache_protected_len, 40)])
+    tree.unlock(req.lock)
+    tree.on_release(req, checkpointed=True)
+
+    assert tree.restore_failures == 0
+    assert _tree_slots(tree, turn).numel() == 40  # the next turn is a device hit
+    assert _tree_slots(tree, older).numel() == 0  # the older session's node made room
+    for a, b in zip(before, _full_kv_at(kv, _tree_slots(tree, turn))):
+        assert torch.equal(a, b)  # exactly the turn's KV
+    assert _accounted(tree, alloc) + hog.numel() == total
+    alloc.free(hog)
+    tree.evict(EvictParams(num_tokens=SLOTS))
+    assert alloc.available_size() == total
+    link.close()
+
+
+def _full_kv_at(kv, slots: torch.Tensor) -> list[torch.Tensor]:
+    """Per layer [2, H_kv, n, D]: keys and values of pool ``slots``, as ``_full_kv`` reads."""
+    idx = slots.to(torch.int64)
+    return [torch.stack([kv.get_key_buffer(layer)[idx].transpose(0, 1),
+                         kv.get_value_buffer(layer)[idx].transpose(0, 1)])
+            for layer in range(LAYERS)]  # fmt: skip

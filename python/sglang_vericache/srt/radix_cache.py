@@ -22,9 +22,10 @@ Requests decoded plainly (sampling, logprobs, ...) are cached exactly as without
 
 With a remote tier (``--vericache-tier zmq://...`` / ``lmcache://...``) the full KV of every
 finished sequence goes to the tier (write-through). A drafted sequence's full KV comes back
-into the pool where the pool has free room (FULL: the next turn on this server is a device
-hit), and its compressed KV is kept as a DEMOTED prefix (``tier/demoted.py``), charged to the
-pool: this tree is its ``PoolAccount``. Eviction frees FULL nodes first, then DEMOTED entries,
+into the pool, evicting older cached nodes if it must, as plain SGLang keeps a finished
+sequence (FULL: the next turn on this server is a device hit), and its compressed KV is kept
+as a DEMOTED prefix (``tier/demoted.py``), charged to the pool: this tree is its
+``PoolAccount``. Eviction frees FULL nodes first, then DEMOTED entries,
 and counts both as evictable. A prompt whose prefix the tier holds past the device match is
 loaded from it instead of recomputed (``srt/remote_prefix.py``), and while that fetch runs the
 request is drafted from its DEMOTED prefix (``srt/draft_ahead.py``). A prefix computed by one
@@ -35,7 +36,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import replace
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from sglang.srt.mem_cache.base_prefix_cache import (
@@ -171,12 +172,11 @@ class VeriCacheRadixCache(RadixCache):
             tokens = req.full_untruncated_fill_ids[:up_to]
             self.remote.write_through(tokens, self._sequence_reader(row))
         if not self.disable:
-            # Full KV in the tier: back on the device only where the pool has free room (FULL,
-            # evicted like any cached node when it is needed). A tier that is failing would
-            # lose it: kept on the device as without a tier.
-            in_tier = tokens is not None and self.remote.tier_up
-            evict = (lambda n: None) if in_tier else self.evict_cached
-            super().checkpoint(req, up_to=self._reclaim(req, up_to, evict))
+            # Back on the device, FULL, as plain SGLang keeps a finished request's KV: it is
+            # the most recently used prefix, so older cached nodes are evicted for it (LRU; a
+            # FULL node's eviction demotes it where its compressed KV is kept). Copying it back
+            # from host memory costs far less than the next turn's fetch or recompute.
+            super().checkpoint(req, up_to=self._reclaim(req, up_to))
         if tokens is not None:
             if self.ahead is not None:
                 # after the full KV (which takes the room first): its compressed KV, charged
@@ -184,12 +184,12 @@ class VeriCacheRadixCache(RadixCache):
                 self.ahead.remember(req.rid, tokens)
             self._observe_tier()
 
-    def _reclaim(self, req: Any, up_to: int, evict: Callable[[int], Any]) -> int:
+    def _reclaim(self, req: Any, up_to: int) -> int:
         """Point a finished drafted row at device KV again, so SGLang can cache it: positions
         of its host range the tree holds (the prompt it adopted, unless evicted) come from the
         tree, locked for the request like a matched prefix; the rest is copied back into fresh
-        pool slots (``evict`` may make room). Returns how far the row can be cached: ``up_to``,
-        or only the tree-held part where the pool could not take the rest.
+        pool slots (older cached nodes are evicted for them). Returns how far the row can be
+        cached: ``up_to``, or only the tree-held part where the pool could not take the rest.
 
         The tree's part ends at ``up_to`` even where the span goes on: a verify commits a
         whole accepted chunk, so a stop can land inside the span, and SGLang frees the row's
@@ -199,7 +199,7 @@ class VeriCacheRadixCache(RadixCache):
         if span is None:
             return up_to
         held = self._lock_tree_part(req, span.lo, min(span.hi, up_to))
-        if self.offloader.restore(row, evict, held):
+        if self.offloader.restore(row, self.evict_cached, held):
             return up_to
         self.restore_failures += 1
         logger.info("pool full: request %s cached up to position %d only", req.rid,
