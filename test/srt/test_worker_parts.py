@@ -16,7 +16,7 @@ H_KV, H_Q, D, LAYERS, T = 2, 4, 16, 3, 80
 def pool() -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
     """A KV pool laid out like SGLang's: per layer [slots, H_kv, D] keys and values."""
     g = torch.Generator().manual_seed(0)
-    return {layer: (torch.randn(200, H_KV, D, generator=g), torch.randn(200, H_KV, D, generator=g))
+    return {layer: (torch.randn(512, H_KV, D, generator=g), torch.randn(512, H_KV, D, generator=g))
             for layer in range(LAYERS)}  # fmt: skip
 
 
@@ -239,21 +239,23 @@ def test_catching_up_equals_appending_token_by_token(pool, spec: str) -> None:
     """Plain steps leave a state behind; one catch-up from the full KV leaves it exactly where
     appending each plain step's token would have (the caches do not depend on chunking). Its
     folds score by the prompt's queries (plain steps bring none: a scorer used to raise)."""
-    from sglang_vericache.srt.draft_state import RequestDraftState
+    from sglang_vericache.srt.draft_state import FOLD_EVERY, RECENT_WINDOW, RequestDraftState
 
     compressor = build_compressor(spec)
     queries = [torch.randn(H_Q, 8, D) for _ in range(LAYERS)]
     build = lambda: RequestDraftState.build(compressor, layer_reader(pool, torch.arange(T)), T,  # noqa: E731
                                             queries, LAYERS)  # fmt: skip
     stepwise, lazy = build(), build()
-    extra = torch.arange(100, 170)  # 70 plain steps' tokens: enough to fold twice
+    n = RECENT_WINDOW + 2 * FOLD_EVERY + 6  # plain steps' tokens: enough to fold twice
+    extra = torch.arange(100, 100 + n)
     for slot in extra:
         stepwise.append(reader(pool), slot[None], [None] * LAYERS)
-    behind = RequestDraftState.in_step(lazy, None, compressor, None, T + 70, LAYERS, None)
+    assert all(cache.version == 2 for cache in stepwise.layers)
+    behind = RequestDraftState.in_step(lazy, None, compressor, None, T + n, LAYERS, None)
     assert behind is lazy and lazy.covered == T  # behind is fine: it catches up before drafting
     read = reader(pool)
-    assert lazy.catch_up(lambda layer: read(layer, extra), T + 70) == 70
-    assert lazy.covered == stepwise.covered == T + 70 and lazy.catch_up(None, T + 70) == 0
+    assert lazy.catch_up(lambda layer: read(layer, extra), T + n) == n
+    assert lazy.covered == stepwise.covered == T + n and lazy.catch_up(None, T + n) == 0
     lazy.check_integrity()
     for (ka, va), (kb, vb) in zip(lazy.views(), stepwise.views()):
         assert torch.equal(ka, kb) and torch.equal(va, vb)
