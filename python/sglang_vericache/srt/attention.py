@@ -38,6 +38,7 @@ from sglang.srt.layers.radix_attention import AttentionType
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 from torch.nn.functional import scaled_dot_product_attention
 
+from sglang_vericache.compress.attend import grouped_sdpa
 from sglang_vericache.srt.draft_attention import DraftPlan
 from sglang_vericache.srt.offload import ledger_for
 from sglang_vericache.verify.step_profile import StepClock
@@ -130,23 +131,19 @@ class VeriCacheAttnBackend(TorchNativeAttnBackend):
         ``QUERY_BLOCK`` so the mask stays small at long contexts."""
         self._write_kv(layer, fb, k, v, save_kv_cache)
         out = q3.new_empty((q3.shape[0], layer.tp_q_head_num, layer.v_head_dim))
-        gqa = layer.tp_q_head_num != layer.tp_k_head_num
         start = 0
         for i, end in enumerate(ends):
             n, row = new[i], int(fb.req_pool_indices[i])
             keys, values = self._full_kv(layer.layer_id, row, end)
             if self.clock is not None and _copied(keys):  # gathered, not read in place
                 self.clock.note_transient(2 * keys.numel() * keys.element_size())
-            keys, values = keys.unsqueeze(0).to(q3.dtype), values.unsqueeze(0).to(q3.dtype)
             k_pos = torch.arange(end, device=q3.device)[None, :]
             for lo in range(0, n, QUERY_BLOCK):
                 hi = min(n, lo + QUERY_BLOCK)
                 qi = q3[start + lo : start + hi].transpose(0, 1)  # [H_q, hi - lo, D]
                 q_pos = torch.arange(end - n + lo, end - n + hi, device=q3.device)
-                mask = k_pos <= q_pos[:, None]
-                o = scaled_dot_product_attention(qi.unsqueeze(0), keys, values, attn_mask=mask,
-                                                 scale=layer.scaling, enable_gqa=gqa)  # fmt: skip
-                out[start + lo : start + hi] = o.squeeze(0).transpose(0, 1)
+                o = grouped_sdpa(qi, keys, values, layer.scaling, k_pos <= q_pos[:, None])
+                out[start + lo : start + hi] = o.transpose(0, 1)
             start += n
         return out.view(-1, layer.tp_q_head_num * layer.v_head_dim)
 
