@@ -29,14 +29,21 @@ def expected_committed(alpha: float, x: int) -> float:
 class AcceptanceConfig:
     """Discounted Beta estimate of the per-token acceptance alpha.
 
+    The defaults remember about ten verifications and let the prior weigh one trial. Half that
+    memory and twice the prior biased a high alpha low, and short chains kept it low (few trials
+    per verify): simulated at a true alpha of 0.97 with chains of 2, the estimate averaged 0.940
+    (one in ten below 0.889; now 0.961 and 0.926). At 8 x 6k (SnapKV 4x) rows drafting 2
+    committed 2.95 tokens per verify, and an alpha near 0.94 is where the planner finds chains
+    of 2 about as good as longer ones.
+
     decay: weight of the history kept per verification, in [0, 1).
     prior_alpha: alpha assumed before any evidence, in [0, 1].
     prior_weight: pseudo-trials the prior is worth (> 0).
     """
 
-    decay: float = 0.8
+    decay: float = 0.9
     prior_alpha: float = 0.8
-    prior_weight: float = 2.0
+    prior_weight: float = 1.0
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.decay < 1.0:
