@@ -1,11 +1,14 @@
-"""The reference attention: GQA, causal masking by original positions, float32 accumulation."""
+"""The reference attention (GQA, causal masking by original positions, float32 accumulation),
+and the grouped SDPA the verify runs, against it."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
 from sglang_vericache.compress import attend
+from sglang_vericache.compress.attend import grouped_sdpa
 
 
 def test_matches_sdpa_on_full_causal_kv() -> None:
@@ -46,3 +49,23 @@ def test_half_precision_accumulates_in_float32() -> None:
     assert out16.dtype == torch.float16
     ref = attend(q.half().float(), qpos, k.half().float(), v.half().float(), pos, 0.25)
     assert torch.allclose(out16.float(), ref, atol=2e-3)
+
+
+@pytest.mark.parametrize("h_q, h_kv, n", [(9, 3, 3), (8, 2, 1), (4, 4, 7), (6, 1, 33)])
+def test_grouped_sdpa_is_the_reference_attention(h_q: int, h_kv: int, n: int) -> None:
+    """Folding each KV head's query group into the query axis changes nothing but speed: same
+    heads, same causal mask, over keys held in a wider buffer (a strided view, as the verify
+    reads a host buffer)."""
+    gen = torch.Generator().manual_seed(3)
+    t = 40
+    q = torch.randn(h_q, n, 16, generator=gen)
+    k = torch.randn(h_kv, t + 8, 16, generator=gen)[:, :t]
+    v = torch.randn(h_kv, t + 8, 16, generator=gen)[:, :t]
+    qpos = torch.arange(t - n, t)
+    mask = torch.arange(t)[None, :] <= qpos[:, None]
+    out = grouped_sdpa(q, k, v, 0.25, mask)
+    assert out.shape == (h_q, n, 16)
+    assert torch.allclose(out, attend(q, qpos, k, v, torch.arange(t).expand(h_kv, -1), 0.25),
+                          atol=1e-5)  # fmt: skip
+    unmasked = attend(q, torch.full((n,), t), k, v, torch.arange(t).expand(h_kv, -1), 0.25)
+    assert torch.allclose(grouped_sdpa(q, k, v, 0.25), unmasked, atol=1e-5)
