@@ -17,6 +17,7 @@ Every output is compared with plain SGLang's, token by token.
 
     python benchmark/step_profile.py                               # B = 8, 5-7k prompts, 256 new
     python benchmark/step_profile.py --concurrency 8 16 --max-new-tokens 128
+    python benchmark/step_profile.py --concurrency 1 --rounds 3   # offload-only / VeriCache x 3
 
 Writes OUT.{json,md,png}; default OUT benchmark/results/step_profile.
 """
@@ -202,6 +203,10 @@ def main() -> None:
                     help="--vericache-placement of each VeriCache server (the first is profiled "
                          "in full)")
     ap.add_argument("--seed", type=int, default=23, help="prompt set (not the tuning prompts)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run offload-only and VeriCache alternately this many times (the first "
+                         "round is the profiled one): servers run one after another on shared "
+                         "cores, and alternating tells their noise from a real difference")
     ap.add_argument("--out", type=Path, default=REPO / "benchmark/results/step_profile")
     args = ap.parse_args()
 
@@ -229,9 +234,36 @@ def main() -> None:
             name = vericache_name(placement, args.placements)
             runs[name] = serve(base + vc + ["--vericache-placement", placement], prompts,
                                args.max_new_tokens, logs / f"vericache-{placement}.log", True)
-        report["runs"].append(summarize(b, runs, vericache_name(args.placements[0],
-                                                                args.placements)))
+        profiled = vericache_name(args.placements[0], args.placements)
+        out = summarize(b, runs, profiled)
+        out["rounds"] = [round_row(0, runs[OFFLOAD_ONLY], runs[profiled], runs["plain"], b)]
+        for r in range(1, args.rounds):  # alternately, after the profiled round
+            again = {name: serve(base + extra, prompts, args.max_new_tokens,
+                                 logs / f"{name}-round{r}.log", True)
+                     for name, extra in ((OFFLOAD_ONLY, ["--vericache", "--vericache-draft-len",
+                                                         "0"]),
+                                         (profiled, vc + ["--vericache-placement",
+                                                          args.placements[0]]))}  # fmt: skip
+            out["rounds"].append(round_row(r, again[OFFLOAD_ONLY], again[profiled],
+                                           runs["plain"], b))  # fmt: skip
+        report["runs"].append(out)
         write(report, args.out)
+
+
+def round_row(r: int, offload: dict, vericache: dict, plain: dict, batch: int) -> dict:
+    """One round of offload-only against VeriCache: decode rates, their plain steps' ms (the
+    same code path in both: where those cross over between rounds, a gap is noise)."""
+    def plain_ms(run: dict) -> float | None:
+        return profile(run, batch)["ms_when_run"].get("plain")
+
+    return {
+        "round": r, "offload_decode_tok_s": round(offload["decode_tok_s"], 2),
+        "vericache_decode_tok_s": round(vericache["decode_tok_s"], 2),
+        "ratio": round(vericache["decode_tok_s"] / offload["decode_tok_s"], 2),
+        "offload_plain_ms": plain_ms(offload), "vericache_plain_ms": plain_ms(vericache),
+        "identical": all(a == b == c for a, b, c in zip(plain["outputs"], offload["outputs"],
+                                                       vericache["outputs"])),
+    }  # fmt: skip
 
 
 def vericache_name(placement: str, placements: list[str]) -> str:

@@ -82,3 +82,27 @@ def test_summary_compares_every_system_with_plain_and_offload_only(tmp_path: Pat
     assert "| vericache | 18.0 | 1.8x | 1.5x |" in text and "1/2" in text
     plot(report, tmp_path / "p.png")
     assert (tmp_path / "p.png").stat().st_size > 0
+
+
+def test_alternating_rounds_are_tabled_with_their_median() -> None:
+    """``--rounds``: each round's decode rates and plain-step times, whether all three systems
+    gave the same tokens, and the median ratio; a single round adds nothing to the report."""
+    from step_profile_report import markdown
+
+    from benchmark.step_profile import round_row
+
+    plain = _run([[1, 2], [3, 4]], 10.0, False)
+    off, same, wrong = (_run([[1, 2], [3, 4]], 12.0, True), _run([[1, 2], [3, 4]], 18.0, True),
+                        _run([[1, 2], [3, 5]], 6.0, True))  # fmt: skip
+    rounds = [round_row(0, off, same, plain, 2), round_row(1, off, wrong, plain, 2),
+              round_row(2, off, same, plain, 2)]  # fmt: skip
+    assert [r["ratio"] for r in rounds] == [1.5, 0.5, 1.5]
+    assert [r["identical"] for r in rounds] == [True, False, True]
+    out = summarize(2, {"plain": plain, OFFLOAD_ONLY: off, "vericache": same})
+    report = {"settings": {"prompt_tokens": 1000, "seed": 1, "max_new_tokens": 8,
+                           "compressor": "snapkv:ratio=0.25", "draft_len": "auto"},
+              "runs": [out | {"rounds": rounds}]}  # fmt: skip
+    text = markdown(report)
+    assert "| 1 | 12.0 |" in text and "| 0.5x | NO |" in text
+    assert "Median VeriCache / offload-only over 3 rounds: 1.50x." in text
+    assert "alternately" not in markdown({**report, "runs": [out | {"rounds": rounds[:1]}]})
