@@ -238,12 +238,14 @@ def main() -> None:
         out = summarize(b, runs, profiled)
         out["rounds"] = [round_row(0, runs[OFFLOAD_ONLY], runs[profiled], runs["plain"], b)]
         for r in range(1, args.rounds):  # alternately, after the profiled round
+            first = args.placements[0]
             again = {name: serve(base + extra, prompts, args.max_new_tokens,
-                                 logs / f"{name}-round{r}.log", True)
-                     for name, extra in ((OFFLOAD_ONLY, ["--vericache", "--vericache-draft-len",
-                                                         "0"]),
-                                         (profiled, vc + ["--vericache-placement",
-                                                          args.placements[0]]))}  # fmt: skip
+                                 logs / f"{log}-round{r}.log", True)
+                     for name, log, extra in (
+                         (OFFLOAD_ONLY, "offload-only",
+                          ["--vericache", "--vericache-draft-len", "0"]),
+                         (profiled, f"vericache-{first}",
+                          vc + ["--vericache-placement", first]))}  # fmt: skip
             out["rounds"].append(round_row(r, again[OFFLOAD_ONLY], again[profiled],
                                            runs["plain"], b))  # fmt: skip
         report["runs"].append(out)
