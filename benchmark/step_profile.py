@@ -225,29 +225,26 @@ def main() -> None:
         logs = args.out.parent / f"{args.out.name}-logs" / f"b{b}"
         vc = ["--vericache", "--vericache-compressor", args.compressor,
               "--vericache-draft-len", args.draft_len]  # fmt: skip
+        offload_only = base + ["--vericache", "--vericache-draft-len", "0"]
         runs = {
             "plain": serve(base, prompts, args.max_new_tokens, logs / "plain.log", False),
-            OFFLOAD_ONLY: serve(base + ["--vericache", "--vericache-draft-len", "0"], prompts,
-                                args.max_new_tokens, logs / "offload-only.log", True),
+            OFFLOAD_ONLY: serve(offload_only, prompts, args.max_new_tokens,
+                                logs / "offload-only.log", True),
         }
         for placement in args.placements:
             name = vericache_name(placement, args.placements)
             runs[name] = serve(base + vc + ["--vericache-placement", placement], prompts,
                                args.max_new_tokens, logs / f"vericache-{placement}.log", True)
-        profiled = vericache_name(args.placements[0], args.placements)
+        first = args.placements[0]
+        profiled = vericache_name(first, args.placements)
         out = summarize(b, runs, profiled)
         out["rounds"] = [round_row(0, runs[OFFLOAD_ONLY], runs[profiled], runs["plain"], b)]
-        for r in range(1, args.rounds):  # alternately, after the profiled round
-            first = args.placements[0]
-            again = {name: serve(base + extra, prompts, args.max_new_tokens,
-                                 logs / f"{log}-round{r}.log", True)
-                     for name, log, extra in (
-                         (OFFLOAD_ONLY, "offload-only",
-                          ["--vericache", "--vericache-draft-len", "0"]),
-                         (profiled, f"vericache-{first}",
-                          vc + ["--vericache-placement", first]))}  # fmt: skip
-            out["rounds"].append(round_row(r, again[OFFLOAD_ONLY], again[profiled],
-                                           runs["plain"], b))  # fmt: skip
+        for r in range(1, args.rounds):  # alternately, after the profiled round: same servers
+            offload = serve(offload_only, prompts, args.max_new_tokens,
+                            logs / f"offload-only-round{r}.log", True)
+            drafted = serve(base + vc + ["--vericache-placement", first], prompts,
+                            args.max_new_tokens, logs / f"vericache-{first}-round{r}.log", True)
+            out["rounds"].append(round_row(r, offload, drafted, runs["plain"], b))
         report["runs"].append(out)
         write(report, args.out)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 from pathlib import Path
 
 from sglang_vericache.verify.step_profile import Phase
@@ -100,9 +101,7 @@ def _rounds(rounds: list[dict]) -> list[str]:
     """Offload-only and VeriCache run alternately (``--rounds``): a table and the median."""
     if len(rounds) < 2:
         return []
-    ratios = sorted(r["ratio"] for r in rounds)
-    mid = len(ratios) // 2
-    median = ratios[mid] if len(ratios) % 2 else (ratios[mid - 1] + ratios[mid]) / 2
+    median = statistics.median(r["ratio"] for r in rounds)
     lines = ["Offload-only and VeriCache run alternately (round 0 is the run above); their plain "
              "steps run the same code, so where those cross over between rounds a gap is noise:",
              "", "| round | offload-only decode tok/s | its plain step ms | VeriCache decode "

@@ -48,8 +48,8 @@ def grouped_sdpa(q: Tensor, keys: Tensor, values: Tensor, scale: float,
         q [H_q, n, D] = [H_kv * g, n, D]  ->  [H_kv, g * n, D]   (row j * n + t: head j, query t)
         mask [n, T]                        ->  [g * n, T]         (the same rows per head)
 
-    q: [H_q, n, D]; keys, values: [H_kv, T, D] (any strides with a contiguous last dim);
-    mask: [n, T] bool, True where a query may attend, or None. Returns [H_q, n, D_v].
+    q: [H_q, n, D]; keys, values: [H_kv, T, D] in q's dtype (any strides with a contiguous
+    last dim; the caller converts once, not per query block); mask: [n, T] bool, True where a query may attend, or None. Returns [H_q, n, D_v].
     """
     h_q, n, d = q.shape
     h_kv = keys.shape[0]
@@ -57,7 +57,6 @@ def grouped_sdpa(q: Tensor, keys: Tensor, values: Tensor, scale: float,
     grouped = q.reshape(h_kv, g * n, d)
     if mask is not None and g > 1:
         mask = mask.repeat(g, 1)
-    out = scaled_dot_product_attention(grouped.unsqueeze(0), keys.unsqueeze(0).to(q.dtype),
-                                       values.unsqueeze(0).to(q.dtype), attn_mask=mask,
-                                       scale=scale)  # fmt: skip
+    out = scaled_dot_product_attention(grouped.unsqueeze(0), keys.unsqueeze(0),
+                                       values.unsqueeze(0), attn_mask=mask, scale=scale)
     return out[0].view(h_q, n, values.shape[-1])

@@ -137,6 +137,7 @@ class VeriCacheAttnBackend(TorchNativeAttnBackend):
             keys, values = self._full_kv(layer.layer_id, row, end)
             if self.clock is not None and _copied(keys):  # gathered, not read in place
                 self.clock.note_transient(2 * keys.numel() * keys.element_size())
+            keys, values = keys.to(q3.dtype), values.to(q3.dtype)  # once per row, not per block
             k_pos = torch.arange(end, device=q3.device)[None, :]
             for lo in range(0, n, QUERY_BLOCK):
                 hi = min(n, lo + QUERY_BLOCK)
