@@ -7,7 +7,8 @@ methods, the way SGLang splits its scheduler into mixins; they read the worker's
 ``generator``, ``compressor``, ``num_layers``, ``offload_only``, ``device`` and
 ``speculative_num_draft_tokens``. Everything runs on the scheduler thread.
 
-    _decode_step  prepare: compressed views in step, pressure offload, draft-or-plain plan
+    _decode_step  prepare: compressed views in step, pressure offload, draft-or-plain plan;
+                  a drafting step first builds the compressed KV its rows deferred
     _plain_step   one token per row from SGLang's own decode forward and sampler (compressed KV
                   is left behind: nothing drafts from it until drafting resumes)
     _verify_step  compressed KV caught up, _draft (x forwards over the compressed views), one
