@@ -38,8 +38,9 @@ def run_one(spec: str, conc: int, args: argparse.Namespace, prompts: Path) -> di
            "--reference-cache", str(OUT / f"reference-c{conc}-{args.n}x{args.max_new_tokens}.json"),
            "--", "--max-total-tokens", str(args.max_total_tokens), "--vericache",
            "--vericache-compressor", spec, "--vericache-draft-len", str(args.draft_len)]  # fmt: skip
+    out.unlink(missing_ok=True)  # an earlier run's summary must not pass for this run's
     proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode not in (0, 1):
+    if proc.returncode not in (0, 1) or not out.exists():
         return {"compressor": spec, "concurrency": conc, "status": "error",
                 "error": proc.stderr[-2000:]}  # fmt: skip
     summary = json.loads(out.read_text())

@@ -66,6 +66,7 @@ def run_side(
             temperature=opts.temperature,
             concurrency=opts.concurrency,
             with_top2=with_top2,
+            timeout=opts.request_timeout,
         )
         elapsed = time.perf_counter() - t0
     logger.info("%s: %d prompts in %.1fs", name, len(prompts), elapsed)
@@ -126,9 +127,12 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
                    "prompts, args and sampling (written when absent or stale)")
     p.add_argument("--log-dir", default=None, help="server logs (default: a temp dir)")
     p.add_argument("--startup-timeout", type=float, default=600.0)
+    p.add_argument("--request-timeout", type=float, default=1800.0,
+                   help="seconds one request may take (a loaded machine at high concurrency "
+                   "needs more than a quiet one)")
     opts = p.parse_args(argv)
-    if opts.max_new_tokens < 1 or opts.concurrency < 1:
-        p.error("--max-new-tokens and --concurrency must be >= 1")
+    if opts.max_new_tokens < 1 or opts.concurrency < 1 or opts.request_timeout <= 0:
+        p.error("--max-new-tokens and --concurrency must be >= 1, --request-timeout > 0")
     opts.log_dir = opts.log_dir or tempfile.mkdtemp(prefix="vericache-exactness-")
     return opts, server_args
 
@@ -156,6 +160,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         cand, cand_s = run_side("candidate", cand_args, prompts, opts, with_top2=False)
     except ServerStartError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # a timeout, or a server that stopped answering: no verdict
+        print(f"error: a request failed ({exc!r}); no comparison was made. If the machine was "
+              f"busy, raise --request-timeout (now {opts.request_timeout:.0f}s); else see the "
+              f"server logs in {opts.log_dir}", file=sys.stderr)  # fmt: skip
         return 2
     results = [compare(p.id, r, c) for p, r, c in zip(prompts, ref, cand)]
     summary = summarize(

@@ -87,7 +87,8 @@ def _parse_top2(meta: dict[str, Any]) -> tuple[tuple[tuple[float, int], ...], ..
 
 
 def generate_one(
-    url: str, prompt: Prompt, *, max_new_tokens: int, temperature: float, with_top2: bool
+    url: str, prompt: Prompt, *, max_new_tokens: int, temperature: float, with_top2: bool,
+    timeout: float = 1800.0,
 ) -> Generation:
     sampling = {
         "temperature": temperature,
@@ -95,7 +96,7 @@ def generate_one(
     }
     if prompt.grammar is not None:
         sampling[prompt.grammar[0]] = prompt.grammar[1]
-    out = http_json(url + "/generate", _request(prompt, sampling, with_top2))
+    out = http_json(url + "/generate", _request(prompt, sampling, with_top2), timeout=timeout)
     return Generation(output_ids=tuple(out["output_ids"]), top2=_parse_top2(out["meta_info"]))
 
 
@@ -107,8 +108,11 @@ def generate_all(
     temperature: float = 0.0,
     concurrency: int = 1,
     with_top2: bool = False,
+    timeout: float = 1800.0,
 ) -> list[Generation]:
-    """Send every prompt, ``concurrency`` requests in flight; results in prompt order."""
-    kwargs = dict(max_new_tokens=max_new_tokens, temperature=temperature, with_top2=with_top2)
+    """Send every prompt, ``concurrency`` requests in flight; results in prompt order.
+    timeout: seconds one request may take (``OSError`` past it)."""
+    kwargs = dict(max_new_tokens=max_new_tokens, temperature=temperature, with_top2=with_top2,
+                  timeout=timeout)  # fmt: skip
     with ThreadPoolExecutor(max_workers=max(1, concurrency)) as pool:
         return list(pool.map(lambda p: generate_one(url, p, **kwargs), prompts))
