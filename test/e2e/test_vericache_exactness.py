@@ -153,10 +153,9 @@ def test_auto_under_memory_pressure_is_exact_offloads_and_measures_both_modes(
     """A budget that holds about two of the four prompts' full KV, ``--vericache-draft-len
     auto``, ``--vericache-placement pressure``: a request alone has room, so its full KV stays
     in the pool; then the request admission cannot fit makes the worker move running requests'
-    full KV to host memory (``placement.py``), so all four run at once, and a prefill that
-    settles while a request waits defers its compressed KV to its first drafted step; the
-    planner times plain and drafted steps before it chooses (``verify/step_plan.py``); every
-    token is plain SGLang's."""
+    full KV to host memory (``placement.py``), so all four run at once; the planner times plain
+    and drafted steps before it chooses (``verify/step_plan.py``); every token is plain
+    SGLang's."""
     extra = ("--max-total-tokens", "1400", "--chunked-prefill-size", "512", "--enable-metrics",
              "--vericache-placement", "pressure")  # fmt: skip
     with vericache_server("snapkv:ratio=0.25", tmp_path, "auto", extra=extra) as server:
@@ -174,12 +173,9 @@ def test_auto_under_memory_pressure_is_exact_offloads_and_measures_both_modes(
             outs = list(pool.map(one, prompts))
         steps = metric_values(server.url, "vericache:decode_steps_total")
         moved = metric_values(server.url, "vericache:pressure_offloaded_tokens_total")
-        deferred = metric_values(server.url, "vericache:deferred_compressions_total")
     for ref, out in zip(reference, outs):
         assert tuple(out["output_ids"]) == ref.output_ids
     assert sum(moved.values()) > 0, moved
-    # prefills that settled while another request waited built no compressed KV then
-    assert sum(deferred.values()) > 0, deferred
     decisions = {k.split('decision="')[1].split('"')[0] for k, v in steps.items() if v > 0}
     assert {"measuring plain decode", "measuring drafting"} <= decisions, steps
 

@@ -287,7 +287,7 @@ def test_pressure_counts_cached_prefixes_as_room_and_offloads_rows_whole() -> No
     hog = alloc.alloc(alloc.available_size())
     batch = SimpleNamespace(reqs=[resident], req_pool_indices=torch.tensor([1]),
                             seq_lens_cpu=torch.tensor([100]))  # fmt: skip
-    states = {"resident": 0}  # compressed KV bytes of each drafted request
+    states = {"resident": SimpleNamespace(nbytes=0)}
     assert worker.free_slots() == 100  # none free, 100 cached
     assert relieve_pressure(batch, states, worker, width=5) == 0
     worker.ledger.admission_deficit = 150  # a waiting request needs more than the cache holds

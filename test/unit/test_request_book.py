@@ -36,7 +36,7 @@ def test_a_demoted_request_is_plain_offloaded_and_never_drafts_again() -> None:
     book.check_integrity()
     step = StepRows(drafted=[0, 1, 2], sampled=[1], plain=[], grammar=[2]).without({1})
     assert (step.drafted, step.sampled, step.plain, step.grammar) == ([0, 2], [], [1], [2])
-    assert step.from_host == [1]
+    assert step.demoted == [1]
     book.keep_only({"x"})
     assert len(book) == 0 and "a" not in book.draft_length.estimates
 
@@ -54,33 +54,3 @@ def test_plain_reasons_and_forget() -> None:
     book.forget("p")
     book.forget("p")  # idempotent
     assert len(book) == 0 and not book.ahead_used
-
-
-def test_a_deferred_request_keeps_its_counters_when_built_and_offloads_meanwhile() -> None:
-    """A drafted request whose compressed KV is deferred is in exactly one table until built;
-    meanwhile its committed KV follows its full KV to the host and plain steps do not turn it
-    into a plain request; built, it is drafted with the counters it had."""
-    from sglang_vericache.srt.request_book import DeferredCompression
-    from sglang_vericache.verify.stats import DecodeMode
-
-    book = RequestBook(DraftLengthController(None, 4), offload_only=False)
-    stats = VeriCacheStats(mode=DecodeMode.SAMPLED)
-    book.defer("d", DeferredCompression(length=100, queries=[None], stats=stats))
-    book.note_plain(_req("d"))  # a plain step of the whole batch
-    assert "d" not in book.plain and book.stats("d") is stats and book.offloads_plainly("d")
-    assert len(book) == 1
-    book.check_integrity()
-    state = SimpleNamespace(stats=VeriCacheStats())
-    book.adopt("d", state)
-    assert book.states["d"] is state and state.stats is stats and not book.deferred
-    assert not book.offloads_plainly("d")
-    book.check_integrity()
-    # demoted while still deferred: plain, offload-only, nothing left deferred
-    book.defer("e", DeferredCompression(length=50, queries=[None], stats=VeriCacheStats()))
-    book.demote("e")
-    assert book.stats("e").plain_reason == DEMOTED and "e" not in book.deferred
-    book.defer("f", DeferredCompression(length=50, queries=[None], stats=VeriCacheStats()))
-    book.keep_only({"d"})
-    assert set(book.states) == {"d"} and not book.deferred and not book.plain
-    book.forget("d")
-    assert len(book) == 0

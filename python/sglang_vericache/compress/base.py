@@ -216,12 +216,6 @@ class Compressor(ABC):
         positions: [n] int64 original positions (all greater than every position in ckv).
         """
 
-    def kept_tokens(self, layer_id: int, num_tokens: int, num_layers: int) -> int:
-        """Tokens per head that ``compress`` keeps of ``num_tokens`` (what a draft attends over),
-        known without compressing: a request's draft cost is planned before its compressed KV
-        exists (``srt/draft_state.py``). Quantizers keep every token, packed."""
-        return num_tokens
-
     @property
     def spec(self) -> str:
         return self.name + _fields_spec(self)

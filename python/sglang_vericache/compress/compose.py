@@ -63,9 +63,6 @@ class Composed(Compressor):
     def spec(self) -> str:
         return f"{self.dropper.spec}+{self.quantizer.spec}"
 
-    def kept_tokens(self, layer_id: int, num_tokens: int, num_layers: int) -> int:
-        return self.dropper.kept_tokens(layer_id, num_tokens, num_layers)
-
     def compress(self, layer_id: int, keys: Tensor, values: Tensor, obs: Observation) -> CompressedKV:
         return self.quantizer.compress_kept(self.dropper.compress(layer_id, keys, values, obs))
 

@@ -42,9 +42,6 @@ class TokenDropper(Compressor):
         Returns [H_kv, C] float32.
         """
 
-    def kept_tokens(self, layer_id: int, num_tokens: int, num_layers: int) -> int:
-        return min(num_tokens, self.budget(layer_id, num_tokens, Observation(num_layers=num_layers)))
-
     def select(self, layer_id: int, keys: Tensor, values: Tensor, positions: Tensor,
                num_tokens: int, obs: Observation) -> Tensor:
         """[H_kv, k] int64 indices (into the candidate axis) of the kept candidates."""

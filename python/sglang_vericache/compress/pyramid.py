@@ -66,10 +66,6 @@ class Pyramid(Compressor):
         ratios = pyramid_ratios(self.inner.ratio, obs.num_layers, self.beta)
         return dataclasses.replace(self.inner, ratio=min(1.0, ratios[layer_id]))
 
-    def kept_tokens(self, layer_id: int, num_tokens: int, num_layers: int) -> int:
-        dropper = self.layer_dropper(layer_id, Observation(num_layers=num_layers))
-        return dropper.kept_tokens(layer_id, num_tokens, num_layers)
-
     def compress(self, layer_id: int, keys: Tensor, values: Tensor, obs: Observation) -> CompressedKV:
         return self.layer_dropper(layer_id, obs).compress(layer_id, keys, values, obs)
 

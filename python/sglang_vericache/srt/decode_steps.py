@@ -7,8 +7,7 @@ methods, the way SGLang splits its scheduler into mixins; they read the worker's
 ``generator``, ``compressor``, ``num_layers``, ``offload_only``, ``device`` and
 ``speculative_num_draft_tokens``. Everything runs on the scheduler thread.
 
-    _decode_step  prepare: compressed views in step, pressure offload, draft-or-plain plan;
-                  a drafting step first builds the compressed KV its rows deferred
+    _decode_step  prepare: compressed views in step, pressure offload, draft-or-plain plan
     _plain_step   one token per row from SGLang's own decode forward and sampler (compressed KV
                   is left behind: nothing drafts from it until drafting resumes)
     _verify_step  compressed KV caught up, _draft (x forwards over the compressed views), one
@@ -57,16 +56,13 @@ class DecodeSteps:
     """The decode half of ``VeriCacheWorker`` (see module doc)."""
 
     def _decode_step(self, batch):
-        # The rows this step may draft; the others take one exact token (srt/row_sampling.py).
-        # Deferred rows wait while a request waits for room (``_build_deferred``).
-        waiting = self.offloader.ledger.admission_deficit > 0
+        # The rows this step drafts; the others take one exact token (srt/row_sampling.py).
         step = StepRows.of(batch.reqs, drafting=not self.offload_only).without(
-            self.book.demoted_rows(batch.reqs) | (self._deferred_rows(batch) if waiting else set()))
+            self.book.demoted_rows(batch.reqs))  # fmt: skip
         self._sync_states(batch, step.drafted)
-        compressed = {rid: state.nbytes for rid, state in self.states.items()}
-        moved = relieve_pressure(batch, compressed | dict.fromkeys(self.book.deferred, 0),
-                                 self.offloader, self.speculative_num_draft_tokens)  # fmt: skip
-        plan = self.draft_length.plan(step_rows(batch, self._planned_views(batch), step.drafted),
+        moved = relieve_pressure(batch, self.states, self.offloader,
+                                 self.speculative_num_draft_tokens)  # fmt: skip
+        plan = self.draft_length.plan(step_rows(batch, self.states, step.drafted),
                                       joining_contexts(batch, step.drafted, self.offloader))
         if plan.reason == PLAIN_FASTER:
             self._demote_for_room(batch, step.drafted)
@@ -75,37 +71,8 @@ class DecodeSteps:
             self.metrics.observe_pressure_offload(moved)
         self._lap(Phase.PREPARE)
         if plan.drafts:
-            self._build_deferred(batch, step.drafted)
             return self._verify_step(batch, step, plan.drafts)
         return self._plain_step(batch)
-
-    def _deferred_rows(self, batch) -> set[int]:
-        return {i for i, req in enumerate(batch.reqs) if req.rid in self.book.deferred}
-
-    def _planned_views(self, batch) -> dict[str, int]:
-        """Tokens each drafting request's draft attends over: its compressed view, or what it
-        will be once built (deferred)."""
-        views = {rid: state.view_tokens for rid, state in self.states.items()}
-        for req, length in zip(batch.reqs, batch.seq_lens_cpu.tolist()):
-            if req.rid in self.book.deferred:
-                views[req.rid] = RequestDraftState.planned_view_tokens(
-                    self.compressor, int(length), self.num_layers)  # fmt: skip
-        return views
-
-    def _build_deferred(self, batch, drafted: list[int]) -> None:
-        """Build the compressed KV of the ``drafted`` rows that deferred it, from their prompt
-        (``DeferredCompression``), and reserve its pool slots; ``_verify_step`` catches it up
-        to the committed tokens as after plain steps."""
-        rows = batch.req_pool_indices.tolist()
-        for i in drafted:
-            req = batch.reqs[i]
-            deferred = self.book.deferred.get(req.rid)
-            if deferred is None:
-                continue
-            state = self._compress(req, rows[i], deferred.length, deferred.queries)
-            self.book.adopt(req.rid, state)
-            self.offloader.reserve(rows[i], state.nbytes)
-            self._lap(Phase.COMPRESS)
 
     def _lap(self, phase: Phase) -> None:
         """Charge the time since the last lap to ``phase`` (a decode step's profile)."""
@@ -122,14 +89,11 @@ class DecodeSteps:
 
     def _sync_states(self, batch, drafted: list[int]) -> None:
         """Every drafted row gets a compressed KV covering at most its committed KV (behind
-        after plain steps: ``_verify_step`` catches it up before drafting), or keeps its
-        deferred one (``_build_deferred``)."""
+        after plain steps: ``_verify_step`` catches it up before drafting)."""
         bases = batch.seq_lens_cpu.tolist()
         rows = batch.req_pool_indices.tolist()
         for i in drafted:
             req, base = batch.reqs[i], bases[i]
-            if req.rid in self.book.deferred:
-                continue
             self.states[req.rid] = RequestDraftState.in_step(
                 self.states.get(req.rid), req, self.compressor,
                 self.offloader.layer_reader(rows[i], base), base, self.num_layers, decode_mode(req),
@@ -239,7 +203,7 @@ class DecodeSteps:
             queries = [capture.queries[i][layer] for layer in range(self.num_layers)]
             self._commit(batch.reqs[i], pool_rows[i], int(base[i]), int(accept_lens[i]),
                          int(draft_lens[i]), queries)  # fmt: skip
-        for i in step.from_host:  # their token follows their KV to the host
+        for i in step.demoted:  # their token follows their KV to the host
             self._offload(batch.reqs[i], pool_rows[i], int(base[i]) + 1, 0)
         self._lap(Phase.OFFLOAD)
         # the verify's cost includes its commit bookkeeping: what a drafted step adds per row

@@ -36,12 +36,6 @@ PoolReader = Callable[[int, Tensor], tuple[Tensor, Tensor]]
 LayerReader = Callable[[int], tuple[Tensor, Tensor]]
 
 
-def request_stats(req: Any, mode: Any) -> VeriCacheStats:
-    """Fresh counters of a drafted request, labelled with its decode mode and whether a grammar
-    constrains it (what ``meta_info["vericache"]`` and the metrics report)."""
-    return VeriCacheStats(mode=mode, constrained=getattr(req, "grammar", None) is not None)
-
-
 @dataclass(slots=True)
 class RequestDraftState:
     """The compressed KV of one request, one ``CompressedLayerCache`` per layer.
@@ -137,8 +131,9 @@ class RequestDraftState:
         return cls.rebuild(compressor, read, length, num_layers).labelled(req, mode)
 
     def labelled(self, req: Any, mode: Any) -> "RequestDraftState":
-        """This state (freshly built), with ``request_stats(req, mode)``."""
-        self.stats = request_stats(req, mode)
+        """This state, its stats labelled with ``req``'s decode mode and whether a grammar
+        constrains it (what ``meta_info["vericache"]`` and the metrics report)."""
+        self.stats.mode, self.stats.constrained = mode, getattr(req, "grammar", None) is not None
         return self
 
     def views(self) -> list[tuple[Tensor, Tensor]]:
@@ -183,13 +178,6 @@ class RequestDraftState:
             keys, values = read(layer, slots)
             cache.append(keys, values, positions, queries[layer])
         self.covered += n
-
-    @staticmethod
-    def planned_view_tokens(compressor: Compressor, context: int, num_layers: int) -> int:
-        """``view_tokens`` of a state not built yet, for ``context`` committed tokens: what the
-        compressor keeps of them plus the full-precision recent window (within a fold's
-        margin: up to ``FOLD_EVERY`` more tokens wait in the window between folds)."""
-        return min(context, compressor.kept_tokens(0, context, num_layers) + RECENT_WINDOW)
 
     @property
     def view_tokens(self) -> int:

@@ -88,16 +88,15 @@ class StepRows:
 
     drafted: GREEDY and SAMPLED rows (drafted, verified); sampled: the SAMPLED ones among them;
     grammar: the drafted ones with a grammar (masked along the chain); plain: every other row
-    (one token from SGLang's sampler in the same step); from_host: the plain rows that can draft
-    but not this step (``without``: compressed KV dropped, or not built yet), decoding from their
-    offloaded full KV: their committed token follows it to the host.
+    (one token from SGLang's sampler in the same step); demoted: the plain rows whose compressed
+    KV was dropped (``without``): their committed token follows their KV to the host.
     """
 
     drafted: list[int]
     sampled: list[int]
     plain: list[int]
     grammar: list[int] = field(default_factory=list)
-    from_host: list[int] = field(default_factory=list)
+    demoted: list[int] = field(default_factory=list)
 
     @classmethod
     def of(cls, reqs: list[Any], *, drafting: bool = True) -> StepRows:
@@ -115,7 +114,7 @@ class StepRows:
         )  # fmt: skip
 
     def without(self, rows: set[int]) -> StepRows:
-        """The same step with ``rows`` decoded plainly, from their full KV (``from_host``)."""
+        """The same step with ``rows`` decoded plainly (their compressed KV was dropped)."""
         if not rows:
             return self
         keep = lambda xs: [i for i in xs if i not in rows]  # noqa: E731

@@ -70,9 +70,6 @@ class VeriCacheExporter:
         self._requests = counter("requests", "Requests by decode mode.", ("mode",))
         self._steps = counter("decode_steps", "Decode steps by the draft-or-plain decision "
                               "(srt/draft_length.py).", ("decision",))  # fmt: skip
-        self._deferred = counter("deferred_compressions",
-                                 "Drafted requests whose compressed KV was not built at prefill "
-                                 "(a request waited for pool room): built when first drafted.")
         self._moved = counter("pressure_offloaded_tokens",
                               "Full-KV tokens moved to host memory because the pool was short.")
         self._accept_len = Histogram(
@@ -147,9 +144,6 @@ class VeriCacheExporter:
 
     def observe_request(self, mode: DecodeMode) -> None:
         self._requests.labels(mode=mode.value, **self._labels).inc()
-
-    def observe_deferred_compression(self) -> None:
-        self._deferred.labels(**self._labels).inc()
 
     def observe_step(self, decision: str) -> None:
         """One decode step and why it drafted or not (``StepDecision.reason``)."""

@@ -129,13 +129,6 @@ class PoolOffloader:
         """Pool slots worth ``nbytes`` of compressed KV, in whole pages (0 for 0 bytes)."""
         return math.ceil(nbytes / self.slot_bytes / self.page) * self.page
 
-    def reserve(self, row: int, compressed_bytes: int) -> int:
-        """Top ``row``'s reserved slots up to ``compressed_bytes`` now (its compressed KV was
-        just built); nothing for a row still in the pool (``offload`` reserves when it moves).
-        Returns the slots added."""
-        entry = self.ledger.span(row)
-        return 0 if entry is None else self._reserve(entry, compressed_bytes)
-
     def _reserve(self, entry: Any, compressed_bytes: int) -> int:
         """Hold pool slots worth ``compressed_bytes`` for the row (its share of the budget)."""
         need = self.slots_for(compressed_bytes)

@@ -1,12 +1,9 @@
 """Every request the worker holds VeriCache state for, in one place.
 
-From its prefill until it leaves, a request is in exactly one of three tables:
+From its prefill until it leaves, a request is in exactly one of two tables:
 
 - ``states``: drafted (greedy or sampled rows): its compressed KV and counters
   (``RequestDraftState``);
-- ``deferred``: drafted, but its compressed KV is not built yet (``DeferredCompression``): a
-  request was waiting for pool room when its prefill settled. It decodes from its full KV
-  until a step drafts it, and moves to ``states`` then;
 - ``plain``: decoded plainly, with its counters and why (``VeriCacheStats.plain``). Plain rows
   whose full KV is offloaded (``OFFLOAD_ONLY``: ``--vericache-draft-len 0``; ``DEMOTED``: its
   compressed KV was dropped to make room where drafting did not pay) move every committed
@@ -24,10 +21,7 @@ left the decode batch (aborted, retracted). Scheduler thread only.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Callable
-
-from torch import Tensor
 
 from sglang_vericache.srt.draft_length import DraftLengthController
 from sglang_vericache.srt.draft_state import RequestDraftState
@@ -37,18 +31,6 @@ from sglang_vericache.verify import VeriCacheStats
 OFFLOAD_ONLY = "--vericache-draft-len 0: full KV offloaded, read back for every token, no drafts"
 DEMOTED = ("compressed KV dropped to make room: drafting did not pay here; full KV offloaded, "
            "read back for every token")  # fmt: skip
-
-
-@dataclass(frozen=True, slots=True)
-class DeferredCompression:
-    """What building a drafted request's compressed KV later needs: its prompt length (the
-    positions compressed; later ones are caught up as after plain steps, so the state is the
-    one an immediate build would have reached), the prompt's last queries per layer ([H_q, W,
-    D] or None, for attention-scored compressors) and its counters until then."""
-
-    length: int
-    queries: list[Tensor | None]
-    stats: VeriCacheStats
 
 
 class RequestBook:
@@ -62,12 +44,10 @@ class RequestBook:
         self.plain: dict[str, VeriCacheStats] = {}
         self.ahead_used: dict[str, list[int]] = {}
         self.after_prefill: dict[str, Callable[[], None]] = {}
-        self.deferred: dict[str, DeferredCompression] = {}
 
     def __len__(self) -> int:
         """Requests tracked (0 when idle: nothing leaked)."""
-        return len(self.states.keys() | self.plain.keys() | self.deferred.keys()
-                   | self.after_prefill.keys())
+        return len(self.states | self.plain | self.after_prefill)
 
     def take_after_prefill(self) -> list[Callable[[], None]]:
         """The pending after-prefill work, in prefill order; the table is empty after."""
@@ -75,14 +55,12 @@ class RequestBook:
         return work
 
     def stats(self, rid: str) -> VeriCacheStats | None:
-        state, deferred = self.states.get(rid), self.deferred.get(rid)
-        if state is not None:
-            return state.stats
-        return deferred.stats if deferred is not None else self.plain.get(rid)
+        state = self.states.get(rid)
+        return state.stats if state is not None else self.plain.get(rid)
 
     def note_plain(self, req: Any, reason: str | None = None) -> None:
         """``req`` decodes plainly (once noted, it keeps its first reason)."""
-        if req.rid in self.plain or req.rid in self.states or req.rid in self.deferred:
+        if req.rid in self.plain or req.rid in self.states:
             return
         reason = reason or plain_reason(req) or whole_step_reason(req) or "plain step"
         self.plain[req.rid] = VeriCacheStats.plain(OFFLOAD_ONLY if self.offload_only else reason)
@@ -90,9 +68,9 @@ class RequestBook:
     def demote(self, rid: str) -> None:
         """``rid`` drops its compressed KV and decodes offload-only from now on (its counters
         keep what it drafted before)."""
-        state, deferred = self.states.pop(rid, None), self.deferred.pop(rid, None)
-        stats = state.stats if state is not None else deferred.stats if deferred else None
-        self.plain[rid] = VeriCacheStats.plain(DEMOTED) if stats is None else stats.demoted(DEMOTED)
+        state = self.states.pop(rid, None)
+        self.plain[rid] = (VeriCacheStats.plain(DEMOTED) if state is None
+                           else state.stats.demoted(DEMOTED))  # fmt: skip
 
     def demoted_rows(self, reqs: list[Any]) -> set[int]:
         """Indices of ``reqs`` that were demoted (they decode plainly, never draft again)."""
@@ -100,40 +78,24 @@ class RequestBook:
                 if r.rid in self.plain and self.plain[r.rid].plain_reason == DEMOTED}  # fmt: skip
 
     def offloads_plainly(self, rid: str) -> bool:
-        """A row decoding from its full KV whose committed KV follows the rest of it to the host
-        (where it was offloaded): offload-only, demoted, or its compressed KV deferred."""
+        """A plain row whose committed KV follows the rest of its KV to the host."""
         plain = self.plain.get(rid)
-        return rid in self.deferred or (
-            plain is not None and plain.plain_reason in (OFFLOAD_ONLY, DEMOTED))  # fmt: skip
-
-    def defer(self, rid: str, deferred: DeferredCompression) -> None:
-        """``rid`` drafts, but its compressed KV is built later (``adopt``)."""
-        self.deferred[rid] = deferred
-
-    def adopt(self, rid: str, state: RequestDraftState) -> None:
-        """``rid``'s compressed KV was built (from its ``deferred`` record, which it replaces):
-        it keeps the counters it had."""
-        state.stats = self.deferred.pop(rid).stats
-        self.states[rid] = state
+        return plain is not None and plain.plain_reason in (OFFLOAD_ONLY, DEMOTED)
 
     def keep_only(self, live: set[str]) -> None:
         """Forget every request not in ``live`` (the decode batch says who is running)."""
-        for table in (self.states, self.plain, self.deferred, self.draft_length.estimates,
-                      self.ahead_used):  # fmt: skip
+        for table in (self.states, self.plain, self.draft_length.estimates, self.ahead_used):
             for rid in [rid for rid in table if rid not in live]:
                 del table[rid]
 
     def forget(self, rid: str) -> None:
         self.after_prefill.pop(rid, None)  # finished at prefill, or aborted before its next step
         self.states.pop(rid, None)
-        self.deferred.pop(rid, None)
         self.plain.pop(rid, None)
         self.ahead_used.pop(rid, None)  # reported in meta_info["vericache"] until now
         self.draft_length.forget(rid)
 
     def check_integrity(self) -> None:
         assert not self.states.keys() & self.plain.keys(), "a request both drafted and plain"
-        assert not self.deferred.keys() & (self.states.keys() | self.plain.keys()), (
-            "a deferred request also drafted or plain")
         for rid, stats in self.plain.items():
             assert stats.plain_reason, f"plain request {rid} without a reason"

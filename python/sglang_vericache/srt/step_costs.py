@@ -20,16 +20,16 @@ from sglang_vericache.srt.draft_length import StepRow
 from sglang_vericache.verify.step_cost import ForwardShape
 
 
-def step_rows(batch: Any, views: Mapping[str, int], drafted: Sequence[int]) -> list[StepRow]:
-    """The batch's rows for ``DraftLengthController.plan`` (``drafted``: rows that can draft;
-    ``views``: the tokens each one's draft attends over, by request id)."""
+def step_rows(batch: Any, states: Mapping[str, Any], drafted: Sequence[int]) -> list[StepRow]:
+    """The batch's rows for ``DraftLengthController.plan`` (``drafted``: rows that can draft)."""
     can = set(drafted)
     lens = batch.seq_lens_cpu.tolist()
     rows = []
     for i, req in enumerate(batch.reqs):
-        view = views.get(req.rid) if i in can else None
+        state = states.get(req.rid) if i in can else None
         left = req.sampling_params.max_new_tokens - len(req.output_ids)
-        rows.append(StepRow(req.rid, int(lens[i]), view or 0, max(1, left), view is not None))
+        rows.append(StepRow(req.rid, int(lens[i]), 0 if state is None else state.view_tokens,
+                            max(1, left), state is not None))  # fmt: skip
     return rows
 
 
@@ -43,11 +43,9 @@ def verify_shape(batch: Any, width: int) -> ForwardShape:
     return ForwardShape.verify(batch.seq_lens_cpu.tolist(), width)
 
 
-def relieve_pressure(batch: Any, compressed: Mapping[str, int], offloader: Any,
-                     width: int) -> int:  # fmt: skip
+def relieve_pressure(batch: Any, states: Mapping[str, Any], offloader: Any, width: int) -> int:
     """Offload resident drafted rows, largest first, until the pool covers admission's deficit
     and one more step of every row (``placement.shortfall``). Returns tokens moved to the host.
-    compressed: bytes of compressed KV each drafted request holds (0 while deferred), by id.
     """
     ledger = offloader.ledger
     free = offloader.free_slots()  # cached prefixes count: allocation evicts them, no offload
@@ -58,11 +56,11 @@ def relieve_pressure(batch: Any, compressed: Mapping[str, int], offloader: Any,
     lens = batch.seq_lens_cpu.tolist()
     resident, owner = [], {}
     for i, req in enumerate(batch.reqs):
-        if req.rid not in compressed or ledger.span(pool_rows[i]) is not None:
+        if req.rid not in states or ledger.span(pool_rows[i]) is not None:
             continue  # not drafted (nothing to draft from once offloaded), or already offloaded
         # the whole row moves: the tree keeps its slots as cached nodes, no longer pinned
         resident.append(ResidentRow(pool_rows[i], int(lens[i])))
-        owner[pool_rows[i]] = (req, int(lens[i]), compressed[req.rid])
+        owner[pool_rows[i]] = (req, int(lens[i]), states[req.rid].nbytes)
     moved = 0
     for row in rows_to_offload(resident, need):
         req, committed, compressed = owner[row]

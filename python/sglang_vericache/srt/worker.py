@@ -55,7 +55,7 @@ from sglang_vericache.srt.batch_inputs import (
 from sglang_vericache.srt.decode_steps import DecodeSteps
 from sglang_vericache.srt.draft_ahead import DraftAhead, draft_ahead_of
 from sglang_vericache.srt.draft_length import DraftLengthController
-from sglang_vericache.srt.draft_state import RequestDraftState, request_stats
+from sglang_vericache.srt.draft_state import RequestDraftState
 from sglang_vericache.srt.eligibility import (
     decode_mode,
     plain_reason,
@@ -66,7 +66,7 @@ from sglang_vericache.srt.offloader import PoolOffloader
 from sglang_vericache.srt.patches import publish_meta_info
 from sglang_vericache.srt.plugin import vericache_config
 from sglang_vericache.srt.remote_prefix import link_for
-from sglang_vericache.srt.request_book import DeferredCompression, RequestBook
+from sglang_vericache.srt.request_book import RequestBook
 from sglang_vericache.verify.stats import DecodeMode
 from sglang_vericache.verify.step_profile import Phase, StepClock
 
@@ -252,21 +252,9 @@ class VeriCacheWorker(DecodeSteps, BaseSpecWorker):
     def _settle_prefill(self, req: Any, row: int, length: int, queries: list[Any] | None,
                         mode: DecodeMode) -> None:  # fmt: skip
         """After ``req``'s first token went out: its compressed KV (``queries`` None: a plain
-        row, none) and the move of its full KV to the host (``_offload``).
-
-        While a request waits for pool room, the compressed KV is deferred: reserved now, it
-        would keep that request waiting for drafts the planner may never make (at 8 x 2k on a
-        CPU it does not draft). It is built at the first step that drafts the row with nothing
-        waiting (``DecodeSteps._build_deferred``), into the state an immediate build would have
-        reached by then. Not where drafts are made while prefixes are fetched: the compressed
-        KV is also what the conversation's next turn drafts from then (``DraftAhead.park``)."""
+        row, none) and the move of its full KV to the host (``_offload``)."""
         nbytes = 0
-        waiting = self.offloader.ledger.admission_deficit > 0
-        if queries is not None and waiting and self.ahead is None:
-            self.book.defer(req.rid, DeferredCompression(length, queries, request_stats(req, mode)))
-            if self.metrics is not None:
-                self.metrics.observe_deferred_compression()
-        elif queries is not None:
+        if queries is not None:
             state = self._compress(req, row, length, queries).labelled(req, mode)
             self.states[req.rid] = state
             nbytes = state.nbytes
