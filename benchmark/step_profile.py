@@ -226,6 +226,8 @@ def main() -> None:
         vc = ["--vericache", "--vericache-compressor", args.compressor,
               "--vericache-draft-len", args.draft_len]  # fmt: skip
         offload_only = base + ["--vericache", "--vericache-draft-len", "0"]
+        drafted = {placement: base + vc + ["--vericache-placement", placement]
+                   for placement in args.placements}  # fmt: skip
         runs = {
             "plain": serve(base, prompts, args.max_new_tokens, logs / "plain.log", False),
             OFFLOAD_ONLY: serve(offload_only, prompts, args.max_new_tokens,
@@ -233,8 +235,8 @@ def main() -> None:
         }
         for placement in args.placements:
             name = vericache_name(placement, args.placements)
-            runs[name] = serve(base + vc + ["--vericache-placement", placement], prompts,
-                               args.max_new_tokens, logs / f"vericache-{placement}.log", True)
+            runs[name] = serve(drafted[placement], prompts, args.max_new_tokens,
+                               logs / f"vericache-{placement}.log", True)
         first = args.placements[0]
         profiled = vericache_name(first, args.placements)
         out = summarize(b, runs, profiled)
@@ -242,9 +244,9 @@ def main() -> None:
         for r in range(1, args.rounds):  # alternately, after the profiled round: same servers
             offload = serve(offload_only, prompts, args.max_new_tokens,
                             logs / f"offload-only-round{r}.log", True)
-            drafted = serve(base + vc + ["--vericache-placement", first], prompts,
-                            args.max_new_tokens, logs / f"vericache-{first}-round{r}.log", True)
-            out["rounds"].append(round_row(r, offload, drafted, runs["plain"], b))
+            again = serve(drafted[first], prompts, args.max_new_tokens,
+                          logs / f"vericache-{first}-round{r}.log", True)
+            out["rounds"].append(round_row(r, offload, again, runs["plain"], b))
         report["runs"].append(out)
         write(report, args.out)
 
