@@ -49,7 +49,8 @@ def grouped_sdpa(q: Tensor, keys: Tensor, values: Tensor, scale: float,
         mask [n, T]                        ->  [g * n, T]         (the same rows per head)
 
     q: [H_q, n, D]; keys, values: [H_kv, T, D] in q's dtype (any strides with a contiguous
-    last dim; the caller converts once, not per query block); mask: [n, T] bool, True where a query may attend, or None. Returns [H_q, n, D_v].
+    last dim; the caller converts once, not per query block); mask: [n, T] bool, True where
+    a query may attend, or None. Returns [H_q, n, D_v].
     """
     h_q, n, d = q.shape
     h_kv = keys.shape[0]

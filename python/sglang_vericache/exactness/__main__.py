@@ -25,7 +25,12 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from sglang_vericache.config import is_vericache_flag
-from sglang_vericache.exactness.client import Prompt, generate_all, load_prompts
+from sglang_vericache.exactness.client import (
+    REQUEST_TIMEOUT_S,
+    Prompt,
+    generate_all,
+    load_prompts,
+)
 from sglang_vericache.exactness.compare import Generation, compare, summarize
 from sglang_vericache.exactness.server import SGLangServer, ServerStartError
 
@@ -127,7 +132,7 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
                    "prompts, args and sampling (written when absent or stale)")
     p.add_argument("--log-dir", default=None, help="server logs (default: a temp dir)")
     p.add_argument("--startup-timeout", type=float, default=600.0)
-    p.add_argument("--request-timeout", type=float, default=1800.0,
+    p.add_argument("--request-timeout", type=float, default=REQUEST_TIMEOUT_S,
                    help="seconds one request may take (a loaded machine at high concurrency "
                    "needs more than a quiet one)")
     opts = p.parse_args(argv)

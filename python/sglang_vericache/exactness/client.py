@@ -86,9 +86,12 @@ def _parse_top2(meta: dict[str, Any]) -> tuple[tuple[tuple[float, int], ...], ..
     return tuple(tuple((float(e[0]), int(e[1])) for e in step[:2]) for step in tops)
 
 
+REQUEST_TIMEOUT_S = 1800.0  # one request at high concurrency on a loaded CPU can take minutes
+
+
 def generate_one(
     url: str, prompt: Prompt, *, max_new_tokens: int, temperature: float, with_top2: bool,
-    timeout: float = 1800.0,
+    timeout: float = REQUEST_TIMEOUT_S,
 ) -> Generation:
     sampling = {
         "temperature": temperature,
@@ -108,7 +111,7 @@ def generate_all(
     temperature: float = 0.0,
     concurrency: int = 1,
     with_top2: bool = False,
-    timeout: float = 1800.0,
+    timeout: float = REQUEST_TIMEOUT_S,
 ) -> list[Generation]:
     """Send every prompt, ``concurrency`` requests in flight; results in prompt order.
     timeout: seconds one request may take (``OSError`` past it)."""
