@@ -15,6 +15,7 @@ Flag surface (fixed so that every part of the system agrees)::
     --vericache-tier-lookup-deadline S  seconds a remote lookup may take before recomputing
     --vericache-tier-inflight-mb MB     host MB of remote writes (and of fetches) in flight
     --vericache-placement auto|pressure|eager   when a drafted request's full KV leaves the pool
+    --vericache-draft-dtype auto|model|bfloat16|float16   the weights' precision in draft forwards
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ DEFAULT_TIER = "host"
 MAX_DRAFT_LEN = 64
 DEFAULT_LOOKUP_DEADLINE_S = 1.0
 DEFAULT_INFLIGHT_MB = 512
+DRAFT_DTYPES = ("auto", "model", "bfloat16", "float16")
 
 
 class VeriCacheConfigError(ValueError):
@@ -136,6 +138,13 @@ def parse_placement(value: str) -> Placement:
                                    f"{value!r} is not a placement (accepted: {accepted})") from None
 
 
+def parse_draft_dtype(value: str) -> str:
+    if value not in DRAFT_DTYPES:
+        raise VeriCacheConfigError("--vericache-draft-dtype",
+                                   f"{value!r} is not one of {', '.join(DRAFT_DTYPES)}")
+    return value
+
+
 def parse_on_off(flag: str, value: str) -> bool:
     if value not in ("on", "off"):
         raise VeriCacheConfigError(flag, f"{value!r} is not 'on' or 'off'")
@@ -168,12 +177,14 @@ class VeriCacheConfig:
     tier_lookup_deadline_s: float = DEFAULT_LOOKUP_DEADLINE_S
     tier_inflight_mb: int = DEFAULT_INFLIGHT_MB
     placement: Placement = Placement.AUTO
+    draft_dtype: str = "auto"
 
     @classmethod
     def from_flags(
         cls, *, enabled: bool, compressor: str, draft_len: str, tier: str,
         fetch_drafting: str = "on", tier_lookup_deadline: str | float = DEFAULT_LOOKUP_DEADLINE_S,
         tier_inflight_mb: str | int = DEFAULT_INFLIGHT_MB, placement: str = "auto",
+        draft_dtype: str = "auto",
     ) -> "VeriCacheConfig":  # fmt: skip
         return cls(
             enabled=enabled,
@@ -185,6 +196,7 @@ class VeriCacheConfig:
                                                   tier_lookup_deadline),  # fmt: skip
             tier_inflight_mb=parse_positive("--vericache-tier-inflight-mb", tier_inflight_mb, int),
             placement=parse_placement(placement),
+            draft_dtype=parse_draft_dtype(draft_dtype),
         )
 
     @classmethod
@@ -198,6 +210,7 @@ class VeriCacheConfig:
             tier_lookup_deadline=ns.vericache_tier_lookup_deadline,
             tier_inflight_mb=ns.vericache_tier_inflight_mb,
             placement=ns.vericache_placement,
+            draft_dtype=ns.vericache_draft_dtype,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -220,6 +233,7 @@ class VeriCacheConfig:
             tier_lookup_deadline_s=float(d.get("tier_lookup_deadline_s", DEFAULT_LOOKUP_DEADLINE_S)),
             tier_inflight_mb=int(d.get("tier_inflight_mb", DEFAULT_INFLIGHT_MB)),
             placement=parse_placement(str(d.get("placement", "auto"))),
+            draft_dtype=parse_draft_dtype(str(d.get("draft_dtype", "auto"))),
         )
 
 
@@ -292,6 +306,15 @@ def add_cli_flags(parser: argparse.ArgumentParser) -> None:
         "prefill, 'auto' eager where the pool is in host memory (CPU: attention then reads one "
         "contiguous buffer in place instead of gathering pool slots) and pressure elsewhere. "
         "Default: auto.",
+    )
+    group.add_argument(
+        "--vericache-draft-dtype",
+        default="auto",
+        choices=DRAFT_DTYPES,
+        help="Precision of the weights in draft forwards (verification always uses the model's "
+        "own): 'auto' drafts with bfloat16 copies of the weights where the model runs in float32 "
+        "and a bfloat16 matmul measures faster on this device; 'model' never copies them. "
+        "Drafts only propose, so this moves acceptance, never the output. Default: auto.",
     )
 
 

@@ -69,20 +69,26 @@ def assert_drafted(url: str, prompt: Prompt) -> None:
 
 
 @pytest.mark.parametrize(
-    "compressor, concurrency, draft_len",
+    "compressor, concurrency, draft_len, draft_dtype",
     [
-        ("streaming:sink=4,window=60", 1, 4),  # aggressive dropping: many rejections, rollbacks
-        ("snapkv:ratio=0.5+kivi:bits=2", 4, 6),  # composition, low-bit, wider verify
+        # aggressive dropping: many rejections, rollbacks; drafts on bf16 shadow weights
+        ("streaming:sink=4,window=60", 1, 4, "bfloat16"),
+        ("snapkv:ratio=0.5+kivi:bits=2", 4, 6, "model"),  # composition, low-bit, wider verify
     ],
 )
 def test_vericache_is_token_identical(
-    compressor: str, concurrency: int, draft_len, prompts, reference, tmp_path: Path
-) -> None:
-    with vericache_server(compressor, tmp_path, draft_len) as server:
+    compressor: str, concurrency: int, draft_len, draft_dtype: str, prompts, reference,
+    tmp_path: Path,
+) -> None:  # fmt: skip
+    extra = ("--vericache-draft-dtype", draft_dtype)
+    with vericache_server(compressor, tmp_path, draft_len, extra) as server:
         candidate = generate_all(
             server.url, prompts, max_new_tokens=MAX_NEW_TOKENS, concurrency=concurrency
         )
         assert_drafted(server.url, prompts[0])
+        log = (tmp_path / "vericache.log").read_text(errors="replace")
+    shadowed = "draft weights in torch.bfloat16" in log
+    assert shadowed == (draft_dtype == "bfloat16"), "the draft dtype the worker logged"
     assert_identical(prompts, reference, candidate, compressor=compressor, concurrency=concurrency)
 
 

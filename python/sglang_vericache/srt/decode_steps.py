@@ -4,7 +4,7 @@
 methods, the way SGLang splits its scheduler into mixins; they read the worker's attributes:
 ``book``/``states`` (per-request records), ``offloader``, ``attn``, ``target_worker``,
 ``draft_length`` (planner and cost fit), ``clock`` (the step profile), ``metrics``, ``ahead``,
-``generator``, ``compressor``, ``num_layers``, ``offload_only``, ``device`` and
+``generator``, ``compressor``, ``precision`` (draft weights), ``num_layers``, ``offload_only``, ``device`` and
 ``speculative_num_draft_tokens``. Everything runs on the scheduler thread.
 
     _decode_step  prepare: compressed views in step, pressure offload, draft-or-plain plan
@@ -31,6 +31,7 @@ from sglang_vericache.srt.batch_inputs import (
 )
 from sglang_vericache.srt.draft_ahead import batch_proposals
 from sglang_vericache.srt.draft_attention import DraftPlan
+from sglang_vericache.srt.draft_precision import drafting
 from sglang_vericache.srt.draft_state import RequestDraftState
 from sglang_vericache.srt.eligibility import StepRows, decode_mode
 from sglang_vericache.srt.row_acceptance import SampledDrafts, draft_column
@@ -138,7 +139,8 @@ class DecodeSteps:
             for j in range(rows.shape[1] - 1):
                 set_decode_inputs(batch, self.offloader.table, rows[:, j], base, j)
                 started = time.perf_counter()
-                out = self.target_worker.forward_batch_generation(batch, is_verify=True)
+                with drafting(self.precision):
+                    out = self.target_worker.forward_batch_generation(batch, is_verify=True)
                 self.draft_length.observe_forward(ForwardKind.DRAFT,
                                                   ForwardShape.draft(plan.view_tokens, j),
                                                   time.perf_counter() - started)  # fmt: skip

@@ -55,6 +55,7 @@ from sglang_vericache.srt.batch_inputs import (
 from sglang_vericache.srt.decode_steps import DecodeSteps
 from sglang_vericache.srt.draft_ahead import DraftAhead, draft_ahead_of
 from sglang_vericache.srt.draft_length import DraftLengthController
+from sglang_vericache.srt.draft_precision import DraftPrecision, choose_draft_dtype
 from sglang_vericache.srt.draft_state import RequestDraftState
 from sglang_vericache.srt.eligibility import (
     decode_mode,
@@ -106,10 +107,24 @@ class VeriCacheWorker(DecodeSteps, BaseSpecWorker):
         self.metrics = None
         if server_args.enable_metrics:
             self.metrics = VeriCacheExporter(server_args.served_model_name or "default")
+        self.precision = self._draft_precision()
         logger.info(
-            "VeriCache worker: compressor %s, verify width %d",
+            "VeriCache worker: compressor %s, verify width %d, draft weights in %s",
             self.compressor.spec, self.speculative_num_draft_tokens,
+            "the model's dtype" if self.precision is None else (
+                f"{self.precision.dtype} ({self.precision.layers} layers shadowed, "
+                f"{self.precision.nbytes / 2**20:.0f} MiB)"),
         )  # fmt: skip
+
+    def _draft_precision(self) -> DraftPrecision | None:
+        """Shadow weights for draft forwards (``srt/draft_precision.py``), where
+        ``--vericache-draft-dtype`` asks for them and drafting happens at all."""
+        if self.offload_only:
+            return None
+        config = self.model_runner.model_config
+        dtype = choose_draft_dtype(self.config.draft_dtype, config.dtype, torch.device(self.device),
+                                   config.hidden_size)  # fmt: skip
+        return None if dtype is None else DraftPrecision(dtype).install(self.model_runner.model)
 
     @property
     def attn(self) -> VeriCacheAttnBackend:

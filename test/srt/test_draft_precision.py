@@ -1,0 +1,121 @@
+"""Draft forwards on shadow weights: outside drafting every layer computes what it did before,
+bit for bit; inside, the shadow dtype's product; the flag's rules and errors."""
+
+from __future__ import annotations
+
+import argparse
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+pytestmark = pytest.mark.sglang
+
+
+class TinyCausalLM(nn.Module):
+    """Two of SGLang's own linear layers (their ``quant_method`` is SGLang's
+    ``UnquantizedLinearMethod``), a tied-style LM head and a logits processor with SGLang's call
+    convention. SGLang's ``LogitsProcessor`` needs a ForwardBatch to run; the real one is
+    covered end to end (``test/e2e/test_vericache_exactness.py`` drafts on bf16 shadows)."""
+
+    def __init__(self, hidden: int = 32, vocab: int = 50) -> None:
+        super().__init__()
+        from sglang.srt.layers.linear import ReplicatedLinear
+
+        torch.manual_seed(0)
+        self.up = ReplicatedLinear(hidden, 4 * hidden, bias=True, params_dtype=torch.float32)
+        self.down = ReplicatedLinear(4 * hidden, hidden, bias=False, params_dtype=torch.float32)
+        for layer in (self.up, self.down):
+            nn.init.normal_(layer.weight, std=0.2)
+        nn.init.normal_(self.up.bias, std=0.2)
+        self.lm_head = nn.Embedding(vocab, hidden)
+        self.logits_processor = Logits()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = self.down(torch.relu(self.up(x)[0]))[0]
+        return self.logits_processor(None, hidden, self.lm_head, None).next_token_logits
+
+
+class Logits(nn.Module):
+    def forward(self, input_ids, hidden_states, lm_head, forward_batch, *args):
+        logits = torch.matmul(hidden_states.to(lm_head.weight.dtype), lm_head.weight.T)
+        return SimpleNamespace(next_token_logits=logits)
+
+
+def test_outside_drafting_every_layer_is_bit_identical_and_inside_runs_on_shadows() -> None:
+    from sglang_vericache.srt.draft_precision import DraftPrecision, ShadowLinearMethod, drafting
+
+    model = TinyCausalLM()
+    x = torch.randn(8, 32)
+    before = model(x)
+    precision = DraftPrecision(torch.bfloat16).install(model)
+    assert precision.layers == 3  # up, down and the LM head
+    assert isinstance(model.up.quant_method, ShadowLinearMethod)
+    expected_bytes = 2 * (32 * 128 + 128 * 32 + 50 * 32)  # bf16 copies of the three weights
+    assert precision.nbytes == expected_bytes
+
+    assert torch.equal(model(x), before)  # not drafting: the model's own weights, bit for bit
+    with drafting(precision):
+        drafted = model(x)
+    assert torch.equal(model(x), before)  # the switch is off again after the draft forwards
+
+    bf = lambda t: t.detach().to(torch.bfloat16)  # noqa: E731
+    hidden = torch.nn.functional.linear(x.to(torch.bfloat16), bf(model.up.weight), bf(model.up.bias))
+    hidden = torch.nn.functional.linear(torch.relu(hidden.float()).to(torch.bfloat16),
+                                        bf(model.down.weight)).float()  # fmt: skip
+    shadow_logits = torch.matmul(hidden.to(torch.bfloat16), bf(model.lm_head.weight).T).float()
+    assert drafted.dtype == torch.float32  # drafts read logits in the model's dtype
+    assert torch.equal(drafted, shadow_logits)
+    assert not torch.equal(drafted, before)  # a different precision, really
+    assert torch.allclose(drafted, before, rtol=0.02, atol=0.3)  # and close to the model's
+
+
+def test_drafting_without_shadows_is_a_no_op_and_the_switch_resets_on_error() -> None:
+    from sglang_vericache.srt.draft_precision import DraftPrecision, drafting
+
+    with drafting(None):
+        pass
+    precision = DraftPrecision(torch.bfloat16)
+    with pytest.raises(RuntimeError), drafting(precision):
+        assert precision.switch.active
+        raise RuntimeError("a draft forward failed")
+    assert not precision.switch.active
+
+
+def test_layers_already_in_the_draft_dtype_are_not_copied() -> None:
+    from sglang_vericache.srt.draft_precision import DraftPrecision
+
+    model = TinyCausalLM().to(torch.bfloat16)
+    precision = DraftPrecision(torch.bfloat16).install(model)
+    assert precision.layers == 1 and precision.nbytes == 2 * 50 * 32  # the LM head only
+    assert type(model.up.quant_method).__name__ == "UnquantizedLinearMethod"
+
+
+def test_choose_draft_dtype_follows_the_flag_and_the_model_dtype() -> None:
+    from sglang_vericache.srt.draft_precision import choose_draft_dtype, matmul_speedup
+
+    cpu = torch.device("cpu")
+    assert choose_draft_dtype("model", torch.float32, cpu, 64) is None
+    assert choose_draft_dtype("bfloat16", torch.float32, cpu, 64) is torch.bfloat16
+    assert choose_draft_dtype("float16", torch.float32, cpu, 64) is torch.float16
+    assert choose_draft_dtype("bfloat16", torch.bfloat16, cpu, 64) is None  # nothing to shadow
+    assert choose_draft_dtype("auto", torch.bfloat16, cpu, 64) is None
+    assert choose_draft_dtype("auto", torch.float32, cpu, 64) in (None, torch.bfloat16)
+    assert matmul_speedup(torch.float32, torch.float32, cpu, 64) > 0
+
+
+def test_the_flag_parses_round_trips_and_names_itself_when_wrong() -> None:
+    from sglang_vericache.config import VeriCacheConfig, VeriCacheConfigError, add_cli_flags
+
+    parser = argparse.ArgumentParser()
+    add_cli_flags(parser)
+    ns = parser.parse_args(["--vericache", "--vericache-draft-dtype", "model"])
+    config = VeriCacheConfig.from_namespace(ns)
+    assert config.draft_dtype == "model"
+    assert VeriCacheConfig.from_dict(config.to_dict()) == config
+    assert VeriCacheConfig.from_namespace(parser.parse_args(["--vericache"])).draft_dtype == "auto"
+    with pytest.raises(VeriCacheConfigError, match="--vericache-draft-dtype.*float8"):
+        VeriCacheConfig.from_dict({**config.to_dict(), "draft_dtype": "float8"})
+    with pytest.raises(SystemExit):  # argparse names the choices at start-up
+        parser.parse_args(["--vericache", "--vericache-draft-dtype", "int4"])
