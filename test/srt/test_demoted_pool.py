@@ -149,7 +149,8 @@ def test_a_finished_turn_comes_back_full_evicting_older_cached_nodes_with_a_tier
                           extra_key=None, cache_salt=None, priority=None,
                           kv=ReqKvInfo(req_pool_idx=1, cache_protected_len=0, kv_allocated_len=40),
                           lock=tree.lock(tree.root_node), last_node=tree.root_node,
-                          finished=lambda: True)  # fmt: skip
+                          finished=lambda: True, sampling_params=SimpleNamespace(max_new_tokens=16),
+                          output_ids=[])  # fmt: skip
     _fill_row(rows, alloc, 1, 40)
     before = _full_kv(worker, 1, 40)
     worker.offload(1, 0, committed=40, compressed_bytes=0, req=req)

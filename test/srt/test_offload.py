@@ -195,12 +195,15 @@ def test_a_range_spanning_pool_host_and_tail_reads_exactly() -> None:
 
 def _prompt_req(tokens: list[int], protected: int = 0, lock=None):
     """What ``VeriCacheRadixCache.adopt`` reads and moves of a scheduler request (the fields
-    SGLang's own ``checkpoint`` reads for the key, the tree lock a matched prefix holds)."""
+    SGLang's own ``checkpoint`` reads for the key, the tree lock a matched prefix holds), and
+    what the offloader sizes a host buffer by (the output it may still emit)."""
     from types import SimpleNamespace
 
     kv = SimpleNamespace(cache_inserted_len=0, cache_protected_len=protected)
     return SimpleNamespace(full_untruncated_fill_ids=tokens, extra_key=None, cache_salt=None,
-                           priority=None, kv=kv, lock=lock, last_node=None)  # fmt: skip
+                           priority=None, kv=kv, lock=lock, last_node=None,
+                           sampling_params=SimpleNamespace(max_new_tokens=16),
+                           output_ids=[])  # fmt: skip
 
 
 @pytest.mark.parametrize("page_size", [1, 4])
@@ -331,7 +334,7 @@ def test_restore_points_at_the_slots_the_tree_holds_and_copies_only_the_rest() -
     slots = _fill_row(rows, alloc, 0, 90)
     before = _full_kv(off, 0, 90)
     off.ledger.tree = SimpleNamespace(adopt=lambda req, moved, owned_from: moved[50:])  # keeps 50
-    off.offload(0, 0, 90, 0, req=object())
+    off.offload(0, 0, 90, 0, req=_prompt_req(list(range(90))))
     free = alloc.available_size()
     assert off.restore(0, evict=lambda n: None, held=slots[:50])
     assert alloc.available_size() == free - 40  # only positions 50..89 came back as copies
@@ -363,7 +366,8 @@ def test_a_stop_inside_the_offloaded_span_frees_only_the_requests_own_slots(page
                           extra_key=None, cache_salt=None,
                           priority=None, kv=ReqKvInfo(req_pool_idx=1, cache_protected_len=24,
                           kv_allocated_len=44), lock=tree.lock(node), last_node=node,
-                          finished=lambda: True)  # fmt: skip
+                          finished=lambda: True, sampling_params=SimpleNamespace(max_new_tokens=16),
+                          output_ids=[])  # fmt: skip
     rows.req_to_token[1, :24] = tree.path_device_indices(node).to(torch.int32)
     _fill_row(rows, alloc, 1, 20, start=24)
     worker.offload(1, 24, committed=32, compressed_bytes=0, req=req)  # span [0, 32)
@@ -389,3 +393,30 @@ def _deepest(tree, tokens: list[int]):
     from sglang.srt.mem_cache.radix_cache import RadixKey
 
     return tree.match_prefix(MatchPrefixParams(key=RadixKey(tokens))).last_device_node
+
+
+def test_a_row_is_sized_for_its_remaining_output_so_decode_appends_never_regrow_it() -> None:
+    """Growing a host buffer copies all of it (280 MB for a 6k-token SmolLM2 row): a row's first
+    offload sizes it for the output its request may still emit, and decode appends fill it."""
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    from sglang_vericache.srt.offloader import PoolOffloader
+
+    kv, rows, alloc = _pools(1)
+    off = PoolOffloader(kv, rows, alloc, LAYERS)
+    req = Req("r", "", list(range(60)), SamplingParams(max_new_tokens=90))
+    req.output_ids = [5] * 10  # 80 more tokens to come
+    slots = [_fill_row(rows, alloc, 1, 60)]
+    off.offload(1, owned_from=0, committed=60, compressed_bytes=0, req=req)
+    host = off.ledger.span(1).host
+    buffer = host.restore().data_ptr()
+    for end in range(68, 141, 8):  # decode appends of 8 up to the request's last token
+        slots.append(_fill_row(rows, alloc, 1, 8, start=end - 8))
+        assert off.offload(1, 0, end, 0, min_tokens=8, req=req).moved == 8
+    assert host.length == 140 and host.restore().data_ptr() == buffer  # filled, never regrown
+    written = torch.cat(slots).to(torch.int64)
+    for layer in range(LAYERS):  # and it holds exactly what the pool held
+        keys, values = off.layer_reader(1, 140)(layer)
+        assert torch.equal(keys, kv.get_key_buffer(layer)[written].transpose(0, 1))
+        assert torch.equal(values, kv.get_value_buffer(layer)[written].transpose(0, 1))

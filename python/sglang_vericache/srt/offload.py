@@ -35,6 +35,10 @@ TAIL_CHUNK = 32
 # Free columns a host buffer keeps after its tokens when it grows: room for the pool's tail
 # (< TAIL_CHUNK) and a verify's drafts, so attention reads the whole row in place.
 HOST_ROOM = 64
+# Most output tokens a new host buffer is sized for up front (``HostKV(capacity=...)``): growing
+# copies the whole buffer (a 6k-token row of SmolLM2 is 280 MB), so a row is sized for its
+# remaining output once; unpinned pages cost nothing until written, pinned ones do, hence a cap.
+PRESIZE_MAX = 4096
 
 # Row entries of offloaded positions point here. SGLang never hands out slot 0 (it takes the
 # padding writes), and attention never reads these entries: the ledger serves the range.
@@ -49,10 +53,13 @@ class HostKV:
     Pinned when CUDA is present, so verification copies overlap with compute.
     """
 
-    def __init__(self, num_layers: int, heads: int, head_dim: int, dtype: torch.dtype) -> None:
+    def __init__(self, num_layers: int, heads: int, head_dim: int, dtype: torch.dtype,
+                 capacity: int = 0) -> None:  # fmt: skip
+        """capacity: tokens the buffer holds before its first growth (the row's expected
+        length: its prompt and the output it may still emit, up to ``PRESIZE_MAX``)."""
         self._shape = (num_layers, 2, heads)
         self._head_dim, self._dtype = head_dim, dtype
-        self._buf = self._alloc(0)
+        self._buf = self._alloc(capacity)
         self.length = 0
 
     def _alloc(self, capacity: int) -> Tensor:

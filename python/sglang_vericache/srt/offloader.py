@@ -21,7 +21,9 @@ import torch
 from torch import Tensor
 
 from sglang_vericache.srt.offload import (
+    HOST_ROOM,
     PLACEHOLDER_SLOT,
+    PRESIZE_MAX,
     TAIL_CHUNK,
     HostKV,
     OffloadLedger,
@@ -32,6 +34,14 @@ from sglang_vericache.srt.offload import (
 )
 
 logger = logging.getLogger(__name__)
+
+
+def remaining_output(req: Any) -> int:
+    """Tokens ``req`` may still emit (0 without a request; ``PRESIZE_MAX`` without a limit)."""
+    if req is None:
+        return 0
+    limit = req.sampling_params.max_new_tokens
+    return PRESIZE_MAX if limit is None else max(0, int(limit) - len(req.output_ids))
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,7 +123,8 @@ class PoolOffloader:
             return OffloadResult()
         slots = self.table[row, lo:hi].to(torch.int64)
         read = lambda layer: read_pool_kv(self.pool, layer, slots, view_ok=True)  # noqa: E731
-        entry = self.ledger.offload(row, lo, hi - lo, read, self._new_host)
+        expected = hi + HOST_ROOM + min(remaining_output(req), PRESIZE_MAX)
+        entry = self.ledger.offload(row, lo, hi - lo, read, lambda: self._new_host(expected))
         self.table[row, lo:hi] = PLACEHOLDER_SLOT
         own = slots if tree is None else tree.adopt(req, slots, owned_from)
         self.allocator.free(own)
@@ -121,9 +132,9 @@ class PoolOffloader:
         held = self._reserve(entry, compressed_bytes)
         return OffloadResult(moved=hi - lo, reserved=held)
 
-    def _new_host(self) -> HostKV:
+    def _new_host(self, capacity: int) -> HostKV:
         keys = self.pool.get_key_buffer(0)  # [slots, H_kv, D]
-        return HostKV(self.num_layers, keys.shape[1], keys.shape[2], keys.dtype)
+        return HostKV(self.num_layers, keys.shape[1], keys.shape[2], keys.dtype, capacity)
 
     def slots_for(self, nbytes: int) -> int:
         """Pool slots worth ``nbytes`` of compressed KV, in whole pages (0 for 0 bytes)."""
