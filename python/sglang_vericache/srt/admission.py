@@ -37,6 +37,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from sglang_vericache.srt.eligibility import tokens_left
 from sglang_vericache.srt.offload import TAIL_CHUNK
 
 TARGET = (
@@ -101,8 +102,7 @@ def _add_one_req_around(original: Callable[..., Any], adder: Any, req: Any, *arg
     result = original(adder, req, *args, **kw)
     offloader = getattr(adder.tree_cache, "offloader", None)
     if offloader is not None and result == AddReqResult.NO_TOKEN:
-        sp = req.sampling_params
-        max_new = min(max(sp.max_new_tokens - len(req.output_ids), 0), CLIP_MAX_NEW_TOKENS)
+        max_new = min(tokens_left(req), CLIP_MAX_NEW_TOKENS)
         needed = len(req.full_untruncated_fill_ids) - req.prefix_len + max_new  # as SGLang asks
         offloader.ledger.admission_deficit = admission_deficit(needed, adder.rem_total_tokens)
         offloader.ledger.waiting_context = len(req.full_untruncated_fill_ids)

@@ -36,6 +36,11 @@ def prefill_only(req: Any) -> bool:
     return req.sampling_params.max_new_tokens == 0
 
 
+def tokens_left(req: Any) -> int:
+    """Tokens ``req`` may still emit under its ``max_new_tokens`` (>= 0)."""
+    return max(0, req.sampling_params.max_new_tokens - len(req.output_ids))
+
+
 def plain_reason(req: Any) -> str | None:
     """Why ``req``'s rows are not drafted at all (None: drafted, greedy or sampled)."""
     sp = req.sampling_params

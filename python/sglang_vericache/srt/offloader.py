@@ -20,6 +20,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
+from sglang_vericache.srt.eligibility import tokens_left
 from sglang_vericache.srt.offload import (
     HOST_ROOM,
     PLACEHOLDER_SLOT,
@@ -34,14 +35,6 @@ from sglang_vericache.srt.offload import (
 )
 
 logger = logging.getLogger(__name__)
-
-
-def remaining_output(req: Any) -> int:
-    """Tokens ``req`` may still emit (0 without a request; ``PRESIZE_MAX`` without a limit)."""
-    if req is None:
-        return 0
-    limit = req.sampling_params.max_new_tokens
-    return PRESIZE_MAX if limit is None else max(0, int(limit) - len(req.output_ids))
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,8 +116,7 @@ class PoolOffloader:
             return OffloadResult()
         slots = self.table[row, lo:hi].to(torch.int64)
         read = lambda layer: read_pool_kv(self.pool, layer, slots, view_ok=True)  # noqa: E731
-        expected = hi + HOST_ROOM + min(remaining_output(req), PRESIZE_MAX)
-        entry = self.ledger.offload(row, lo, hi - lo, read, lambda: self._new_host(expected))
+        entry = self.ledger.offload(row, lo, hi - lo, read, lambda: self._new_host(hi, req))
         self.table[row, lo:hi] = PLACEHOLDER_SLOT
         own = slots if tree is None else tree.adopt(req, slots, owned_from)
         self.allocator.free(own)
@@ -132,9 +124,13 @@ class PoolOffloader:
         held = self._reserve(entry, compressed_bytes)
         return OffloadResult(moved=hi - lo, reserved=held)
 
-    def _new_host(self, capacity: int) -> HostKV:
+    def _new_host(self, committed: int, req: Any) -> HostKV:
+        """A row's host buffer, sized for ``committed`` tokens and what ``req`` may still emit
+        (up to ``PRESIZE_MAX``): growing it later copies all of it."""
+        left = 0 if req is None else min(tokens_left(req), PRESIZE_MAX)
         keys = self.pool.get_key_buffer(0)  # [slots, H_kv, D]
-        return HostKV(self.num_layers, keys.shape[1], keys.shape[2], keys.dtype, capacity)
+        return HostKV(self.num_layers, keys.shape[1], keys.shape[2], keys.dtype,
+                      committed + HOST_ROOM + left)  # fmt: skip
 
     def slots_for(self, nbytes: int) -> int:
         """Pool slots worth ``nbytes`` of compressed KV, in whole pages (0 for 0 bytes)."""

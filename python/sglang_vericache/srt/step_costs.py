@@ -17,6 +17,7 @@ from typing import Any, Mapping, Sequence
 
 from sglang_vericache.placement import ResidentRow, low_water, rows_to_offload, shortfall
 from sglang_vericache.srt.draft_length import StepRow
+from sglang_vericache.srt.eligibility import tokens_left
 from sglang_vericache.verify.step_cost import ForwardShape
 
 
@@ -27,9 +28,8 @@ def step_rows(batch: Any, states: Mapping[str, Any], drafted: Sequence[int]) -> 
     rows = []
     for i, req in enumerate(batch.reqs):
         state = states.get(req.rid) if i in can else None
-        left = req.sampling_params.max_new_tokens - len(req.output_ids)
         rows.append(StepRow(req.rid, int(lens[i]), 0 if state is None else state.view_tokens,
-                            max(1, left), state is not None))  # fmt: skip
+                            max(1, tokens_left(req)), state is not None))  # fmt: skip
     return rows
 
 
