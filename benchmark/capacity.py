@@ -15,6 +15,7 @@ for every token, no compressed KV, no drafting): what VeriCache would cost witho
         --compressors snapkv:ratio=0.25 --out benchmark/results/budget_sweep
     python benchmark/capacity.py ... --n-full 24 --append    # one more budget, same settings
     python benchmark/capacity.py ... --temperature 0.7       # sampled rows (speculative sampling)
+    python benchmark/capacity.py ... --n-full 2 12 --rounds 3 # VeriCache servers x 3, alternately
 
 Writes OUT.{json,md} (and OUT.png for a sweep); default OUT benchmark/results/capacity.
 """
@@ -24,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import statistics
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -79,10 +81,16 @@ def main() -> None:
                     help="integers and/or auto (drafts where it pays); several: one server each")
     ap.add_argument("--no-offload-baseline", action="store_true",
                     help="skip the offload-only baseline (--vericache-draft-len 0)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run each --vericache server (offload-only too) this many times, one "
+                         "after another in turn; rows give the median wall time (single runs "
+                         "on a shared machine differ by ~10%%)")
     ap.add_argument("--out", type=Path, default=REPO / "benchmark/results/capacity")
     ap.add_argument("--append", action="store_true",
                     help="keep OUT.json's budgets that this run does not measure (same settings)")
     args = ap.parse_args()
+    if args.rounds < 1:
+        ap.error(f"--rounds must be >= 1, got {args.rounds}")
 
     from transformers import AutoTokenizer
 
@@ -99,18 +107,22 @@ def main() -> None:
         budget = n_full * (args.prompt_tokens + args.max_new_tokens) + SLOT_SLACK
         base = ["--model-path", str(model), "--max-total-tokens", str(budget)]
         logs = args.out.parent / f"{args.out.name}-logs" / f"n{n_full}"
-        runs = {"plain": serve(base, prompts, sampling, logs / "plain.log")}
+        servers = {}  # name -> (server args, log name)
         if not args.no_offload_baseline:
-            runs[OFFLOAD_ONLY] = serve(base + ["--vericache", "--vericache-draft-len", "0"],
-                                       prompts, sampling, logs / "offload-only.log")
+            servers[OFFLOAD_ONLY] = (base + ["--vericache", "--vericache-draft-len", "0"],
+                                     "offload-only")  # fmt: skip
         for spec in args.compressors:
             for draft_len in args.draft_len:
                 extra = ["--vericache", "--vericache-compressor", spec,
                          "--vericache-draft-len", draft_len]  # fmt: skip
-                runs[vericache_name(spec, draft_len, args.draft_len)] = serve(
-                    base + extra, prompts, sampling,
-                    logs / f"vericache-{spec.replace(':', '_')}-draft-{draft_len}.log",
-                )  # fmt: skip
+                servers[vericache_name(spec, draft_len, args.draft_len)] = (
+                    base + extra, f"vericache-{spec.replace(':', '_')}-draft-{draft_len}")
+        runs = {"plain": [serve(base, prompts, sampling, logs / "plain.log")]}
+        for r in range(args.rounds):  # in turn, so a slow spell of the machine hits all alike
+            for name, (argv, log) in servers.items():
+                suffix = "" if r == 0 else f"-round{r + 1}"
+                runs.setdefault(name, []).append(
+                    serve(argv, prompts, sampling, logs / f"{log}{suffix}.log"))
         reports.append(summarize(args, n_full, budget, n_req, runs))
     if args.append:
         reports = sorted(reports + kept, key=lambda r: r["n_full"])
@@ -179,28 +191,34 @@ def plot_sweep(reports: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-def summarize(args: argparse.Namespace, n_full: int, budget: int, n_req: int, runs: dict) -> dict:
-    ref = runs["plain"]["outputs"]
-    plain_tps = sum(len(o) for o in ref) / runs["plain"]["wall_s"]
+def summarize(args: argparse.Namespace, n_full: int, budget: int, n_req: int,
+              runs: dict[str, list[dict]]) -> dict:  # fmt: skip
+    """One row per server; a server run in several rounds gets its median wall time, and the
+    outputs of every round are compared with plain's."""
+    ref = runs["plain"][0]["outputs"]
+    plain_tps = sum(len(o) for o in ref) / runs["plain"][0]["wall_s"]
     rows = []
-    for name, run in runs.items():
-        vc = [m.get("vericache") or {} for m in run["meta"]]
-        full = [m["prompt_tokens"] for m in run["meta"]]
+    for name, rounds in runs.items():
+        meta = [m for run in rounds for m in run["meta"]]
+        vc = [m.get("vericache") or {} for m in meta]
         comp = [v.get("compressed_kv_bytes", 0) for v in vc]
+        wall = statistics.median(run["wall_s"] for run in rounds)
+        tokens = statistics.median(sum(len(o) for o in run["outputs"]) for run in rounds)
+        same = sum(a == b for run in rounds for a, b in zip(run["outputs"], ref))
         rows.append({
             "server": name,
-            "peak_running": run["peak_running"],
-            "vs_n_full": round(run["peak_running"] / n_full, 2),
-            "output_tokens_per_s": round(sum(len(o) for o in run["outputs"]) / run["wall_s"], 2),
-            "throughput_vs_plain": round(
-                sum(len(o) for o in run["outputs"]) / run["wall_s"] / plain_tps, 2),
-            "identical_to_plain": (sum(a == b for a, b in zip(run["outputs"], ref))
-                                   if args.temperature == 0 else None),  # sampled: no contract
+            "peak_running": max(run["peak_running"] for run in rounds),
+            "vs_n_full": round(max(run["peak_running"] for run in rounds) / n_full, 2),
+            "output_tokens_per_s": round(tokens / wall, 2),
+            "throughput_vs_plain": round(tokens / wall / plain_tps, 2),
+            "identical_to_plain": same if args.temperature == 0 else None,  # sampled: no contract
             "requests": n_req,
-            "wall_s": run["wall_s"],
-            "mean_accept_len": round(sum(v.get("mean_accept_len", 0) for v in vc) / n_req, 2),
-            "mean_prompt_tokens": round(sum(full) / n_req),
-            "mean_compressed_kv_bytes": round(sum(comp) / n_req),
+            "rounds": len(rounds),
+            "wall_s": round(wall, 2),
+            "walls_s": [run["wall_s"] for run in rounds],
+            "mean_accept_len": round(sum(v.get("mean_accept_len", 0) for v in vc) / len(vc), 2),
+            "mean_prompt_tokens": round(sum(m["prompt_tokens"] for m in meta) / len(meta)),
+            "mean_compressed_kv_bytes": round(sum(comp) / len(comp)),
         })  # fmt: skip
     return {"budget_tokens": budget, "n_full": n_full, "prompt_tokens": args.prompt_tokens,
             "max_new_tokens": args.max_new_tokens, "draft_len": args.draft_len,
@@ -219,8 +237,10 @@ def markdown(report: dict) -> str:
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in report["rows"]:
+        walls = r.get("walls_s", [r["wall_s"]])
+        wall = r["wall_s"] if len(walls) == 1 else f"{r['wall_s']} (median of {walls})"
         lines.append(f"| {r['server']} | {r['peak_running']} | {r['vs_n_full']} | "
-                     f"{identical(r)} | {r['wall_s']} | "
+                     f"{identical(r)} | {wall} | "
                      f"{r['output_tokens_per_s']} | {r['throughput_vs_plain']}x | "
                      f"{r['mean_accept_len']} |")  # fmt: skip
     return "\n".join(lines) + "\n"
@@ -229,7 +249,7 @@ def markdown(report: dict) -> str:
 def identical(row: dict) -> str:
     if row["identical_to_plain"] is None:
         return "n/a (sampled)"
-    return f"{row['identical_to_plain']}/{row['requests']}"
+    return f"{row['identical_to_plain']}/{row['requests'] * row.get('rounds', 1)}"
 
 
 if __name__ == "__main__":

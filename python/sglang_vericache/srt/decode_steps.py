@@ -102,26 +102,28 @@ class DecodeSteps:
 
     def _plain_step(self, batch):
         """One token per request with SGLang's own decode forward and sampler (no drafting)."""
+        started = time.perf_counter()
         for req in batch.reqs:
             self.book.note_plain(req)
         base = batch.seq_lens_cpu.clone()
         set_decode_inputs(batch, self.offloader.table, last_tokens(batch, self.device), base, 0)
         rows = batch.req_pool_indices.tolist()
-        started = time.perf_counter()
         out = self.target_worker.forward_batch_generation(batch)
-        self.draft_length.observe_forward(ForwardKind.PLAIN, plain_shape(batch),
-                                          time.perf_counter() - started)  # fmt: skip
         self._lap(Phase.PLAIN)
         for i, req in enumerate(batch.reqs):  # compressed KV catches up when drafting resumes
             state = self.states.get(req.rid)
             if state is not None or self.book.offloads_plainly(req.rid):
                 self._offload(req, rows[i], int(base[i]) + 1, 0 if state is None else state.nbytes)
                 self._lap(Phase.OFFLOAD)
+        # the whole plain step, its offloads included: what the planner weighs a drafted step
+        # against (the prepare phase before the choice is the same for both)
+        self.draft_length.observe_forward(ForwardKind.PLAIN, plain_shape(batch),
+                                          time.perf_counter() - started)  # fmt: skip
         tokens, ones = one_token_rows(out, self.speculative_num_draft_tokens)
         return self._result(batch, tokens, ones, (base + 1).to(self.device), out.logits_output)
 
     def _draft(self, batch, base: torch.Tensor, rows: torch.Tensor, drafted: list[int],
-               sampled: SampledDrafts | None, grammar: GrammarChain | None) -> None:  # fmt: skip
+               sampled: SampledDrafts | None, grammar: GrammarChain | None) -> float:  # fmt: skip
         """Fill rows[:, 1:] from the compressed views (rows[:, 0] = last token): greedy rows take
         the argmax, ``sampled``'s rows a sample of q (kept in ``sampled`` for the verify);
         ``grammar``'s rows draw from masked logits and keep every column's mask for the verify.
@@ -129,24 +131,28 @@ class DecodeSteps:
         Rows not in ``drafted`` ride along (one batch, one forward) attending over their own
         draft chain only; their drafts are never verified. The logits are raw (``is_verify``
         skips SGLang's sampler); ``srt/row_acceptance.py`` says why that is what drafted rows
-        sample from.
+        sample from. Returns the seconds its draft forwards took (each timed with its inputs
+        and its column of drafts, as the planner prices a draft forward).
         """
         states = [None] * len(batch.reqs)
         for i in drafted:
             states[i] = self.states[batch.reqs[i].rid]
         plan = self.attn.draft = DraftPlan(base.tolist(), states, rows.shape[1] - 1)
+        spent = 0.0
         try:
             for j in range(rows.shape[1] - 1):
-                set_decode_inputs(batch, self.offloader.table, rows[:, j], base, j)
                 started = time.perf_counter()
+                set_decode_inputs(batch, self.offloader.table, rows[:, j], base, j)
                 with drafting(self.precision):
                     out = self.target_worker.forward_batch_generation(batch, is_verify=True)
-                self.draft_length.observe_forward(ForwardKind.DRAFT,
-                                                  ForwardShape.draft(plan.view_tokens, j),
-                                                  time.perf_counter() - started)  # fmt: skip
-                self.clock.count_draft_forward()
                 rows[:, j + 1] = draft_column(j, out.logits_output.next_token_logits, sampled,
                                               grammar)  # fmt: skip
+                seconds = time.perf_counter() - started
+                self.draft_length.observe_forward(ForwardKind.DRAFT,
+                                                  ForwardShape.draft(plan.view_tokens, j),
+                                                  seconds)  # fmt: skip
+                self.clock.count_draft_forward()
+                spent += seconds
             if grammar is not None:
                 grammar.fill(rows.shape[1] - 1)
         finally:
@@ -154,10 +160,12 @@ class DecodeSteps:
             self.clock.note_transient(plan.transient_bytes)
             if grammar is not None:
                 grammar.rollback()  # the scheduler advances the matchers over what commits
+        return spent
 
     def _verify_step(self, batch, step: StepRows, drafts: int):
         """Draft ``drafts`` tokens for ``step.drafted``, verify every row, commit
         (``srt/row_acceptance.py``)."""
+        started, drafting_seconds = time.perf_counter(), 0.0
         bs, drafted, plain_rows = len(batch.reqs), step.drafted, step.plain
         for i in plain_rows:
             self.book.note_plain(batch.reqs[i])
@@ -182,12 +190,11 @@ class DecodeSteps:
         if ahead is not None:
             rows[:, 1:] = ahead
         else:
-            self._draft(batch, base, rows, drafted, sampled, grammar)
+            drafting_seconds = self._draft(batch, base, rows, drafted, sampled, grammar)
         self._lap(Phase.DRAFT)
 
         set_verify_inputs(batch, self.offloader.table, rows, base)
         self.attn.capture = QueryCapture(width)
-        started = time.perf_counter()
         try:
             out = self.target_worker.forward_batch_generation(batch, is_verify=True)
         finally:
@@ -208,9 +215,12 @@ class DecodeSteps:
         for i in step.demoted:  # their token follows their KV to the host
             self._offload(batch.reqs[i], pool_rows[i], int(base[i]) + 1, 0)
         self._lap(Phase.OFFLOAD)
-        # the verify's cost includes its commit bookkeeping: what a drafted step adds per row
-        self.draft_length.observe_forward(ForwardKind.VERIFY, verify_shape(batch, width),
-                                          time.perf_counter() - started)  # fmt: skip
+        # the verify is priced as the whole drafted step but its draft forwards: it carries
+        # the catch-up of compressed KV behind after plain steps, the commit and the offloads,
+        # which a drafted step pays once (the prepare phase before the choice, both modes pay)
+        self.draft_length.observe_forward(
+            ForwardKind.VERIFY, verify_shape(batch, width),
+            time.perf_counter() - started - drafting_seconds)
         new_seq_lens = (base + accept_lens.cpu()).to(self.device)
         tokens = torch.zeros(bs, self.speculative_num_draft_tokens, dtype=torch.int64,
                              device=self.device)  # SGLang's rows are the allocated width

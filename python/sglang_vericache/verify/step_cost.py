@@ -1,8 +1,11 @@
 """Measured forward costs: an online linear fit per forward kind, predicting any batch's step.
 
-Every decode forward the worker runs is timed and described by its shape. The fit is the
-iteration-time model of ``benchmark/model.py`` (on CPU: 58 ms fixed + 9 ms per query token +
-~11 us per KV token read), learned on the serving machine instead of assumed::
+Every decode forward the worker runs is timed and described by its shape. A plain forward is
+timed with the rest of its step (the offloads), and a verify with the rest of its drafted step
+but the draft forwards (catching the compressed KV up, committing, offloading): the planner
+compares what each mode costs per step, not only its kernels. The fit is the iteration-time
+model of ``benchmark/model.py`` (on CPU: 58 ms fixed + 9 ms per query token + ~11 us per KV
+token read), learned on the serving machine instead of assumed::
 
     seconds(kind, shape) ~= w0[kind] + w1[kind] * shape.queries + w2[kind] * shape.kv_read
 
@@ -15,16 +18,22 @@ machines are shared). No torch, no clock: the caller measures, this remembers.
 A fit is trusted only near what it has seen (``covers``): a few forwards of one shape cannot
 tell fixed from per-token from per-KV-token cost, so the fit a fresh server learns from its
 warm-up request (one row, ~40 tokens) says little about eight rows of 2k tokens. A shape more
-than ``reach`` times the largest rows or KV read observed is measured before it is predicted.
+than ``reach`` times the largest rows or KV read observed is measured before it is predicted,
+and so is one with fewer than 1 / ``reach`` of the fewest rows among the recent samples (those
+the forgetting factor still weighs): eight rows of equal context cannot tell per-row from
+fixed cost either, and one fitted on them alone priced a lone 2k row's step 1.5x too high.
 """
 
 from __future__ import annotations
 
+import math
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
 FEATURES = 3  # 1, queries, kv_read
+MEMORY_MAX = 4096  # recent rows remembered when nothing is forgotten (forgetting = 1)
 
 
 class ForwardKind(StrEnum):
@@ -109,6 +118,8 @@ class LinearCost:
                    for i in range(FEATURES)]  # fmt: skip
         self._theta = [0.0] * FEATURES
         self.max_rows = self.max_kv_read = 0  # the largest shape observed (never forgotten)
+        # rows of the samples the forgetting factor still weighs (down to ~1/e)
+        self._recent_rows: deque[int] = deque(maxlen=_memory(config.forgetting))
 
     def _x(self, shape: ForwardShape) -> list[float]:
         return [f * s for f, s in zip(shape.features(), self._SCALE)]
@@ -127,18 +138,22 @@ class LinearCost:
         self.samples += 1
         self.max_rows = max(self.max_rows, shape.rows)
         self.max_kv_read = max(self.max_kv_read, shape.kv_read)
+        self._recent_rows.append(shape.rows)
 
     @property
     def ready(self) -> bool:
         return self.samples >= self.config.min_samples
 
     def covers(self, shape: ForwardShape) -> bool:
-        """Ready, and ``shape`` within ``reach`` of the largest rows and KV read observed:
-        smaller shapes lean on the fixed cost, which every sample measures; larger ones would
-        extrapolate per-token costs the data may not have separated."""
+        """Ready, and ``shape`` within ``reach`` of the largest rows and KV read observed and of
+        the fewest rows observed recently: a smaller KV read leans on the fixed cost, which
+        every sample measures, but rows far from any recent sample's would extrapolate a split
+        between per-row and fixed cost that the data may not have made."""
         reach = self.config.reach
-        return self.ready and shape.rows <= reach * self.max_rows and (
-            shape.kv_read <= reach * self.max_kv_read)  # fmt: skip
+        return self.ready and (
+            reach * shape.rows >= min(self._recent_rows)
+            and shape.rows <= reach * self.max_rows
+            and shape.kv_read <= reach * self.max_kv_read)  # fmt: skip
 
     def predict(self, shape: ForwardShape) -> float:
         return max(0.0, sum(t * xi for t, xi in zip(self._theta, self._x(shape))))
@@ -146,6 +161,12 @@ class LinearCost:
     def check_integrity(self) -> None:
         for i in range(FEATURES):
             assert self._p[i][i] > 0, f"covariance lost positivity at {i}: {self._p[i][i]}"
+
+
+def _memory(forgetting: float) -> int:
+    """Samples until the forgetting factor has weighed one down to 1/e (1 / (1 - forgetting)
+    for a factor near 1; 50 at 0.98)."""
+    return max(1, math.ceil(-1.0 / math.log(forgetting))) if forgetting < 1.0 else MEMORY_MAX
 
 
 class StepCostModel:

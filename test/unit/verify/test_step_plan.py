@@ -126,8 +126,8 @@ def test_measures_plain_first_then_short_chains_then_explores_now_and_then() -> 
     planner = StepPlanner(2, 16, PlannerConfig(explore_every=5))
     rows = batch(4, 6000)
     assert planner.plan(rows).drafts == 0  # plain first: its cost is the baseline
-    for shape in shapes(3):
-        planner.observe(ForwardKind.PLAIN, shape, cpu_seconds(shape))
+    for _ in range(3):
+        planner.observe(ForwardKind.PLAIN, plain_shape(rows), cpu_seconds(plain_shape(rows)))
     probes = []
     for _ in range(3):  # short chains of two widths: a fresh server's first drafts cost least
         plan = planner.plan(rows)
@@ -135,8 +135,10 @@ def test_measures_plain_first_then_short_chains_then_explores_now_and_then() -> 
         probes.append(plan.drafts)
         planner.observe(ForwardKind.VERIFY, verify_shape(rows, plan.drafts + 1), 0.5)
     assert probes == [2, 4, 2]
-    for shape in shapes(3):
+    for j in range(3):
+        shape = draft_shape(rows, j)
         planner.observe(ForwardKind.DRAFT, shape, cpu_seconds(shape))
+        shape = verify_shape(rows, 2 * j + 3)
         planner.observe(ForwardKind.VERIFY, shape, cpu_seconds(shape))
     plans = [planner.plan(rows) for _ in range(10)]
     assert sum(p.reason == "exploring" for p in plans) == 1
@@ -207,6 +209,24 @@ def test_a_batch_past_what_the_fits_have_seen_is_measured_before_it_is_predicted
     planner.observe(ForwardKind.VERIFY, shape, cpu_seconds(shape))
     decided = planner.plan(rows)  # drafts measured at 3x the cost model's: plain decoding wins
     assert decided.drafts == 0 and decided.reason == PLAIN_FASTER
+
+
+def test_fewer_rows_than_recent_samples_are_measured_before_they_are_predicted() -> None:
+    """Eight rows of equal context cannot split fixed from per-row cost: the fit of a batch
+    that shrank to one row is measured first, and is right after one sample of it."""
+    planner = StepPlanner(2, 7, NEVER)
+    eight, one = batch(8, 2000), batch(1, 2000)
+    seen = {ForwardKind.PLAIN: plain_shape(eight), ForwardKind.DRAFT: draft_shape(eight, 0),
+            ForwardKind.VERIFY: verify_shape(eight, 3)}  # fmt: skip
+    for kind, shape in seen.items():
+        for _ in range(60):  # more than the fits remember: every recent sample has 8 rows
+            planner.observe(kind, shape, cpu_seconds(shape))
+    fit = planner.costs.fits[ForwardKind.PLAIN]
+    assert not fit.covers(plain_shape(one)) and fit.covers(plain_shape(batch(4, 2000)))
+    assert planner.plan(one) == StepDecision(0, "measuring plain decode")
+    planner.observe(ForwardKind.PLAIN, plain_shape(one), cpu_seconds(plain_shape(one)))
+    assert fit.predict(plain_shape(one)) == pytest.approx(cpu_seconds(plain_shape(one)), rel=0.1)
+    assert planner.plan(one).reason == "measuring drafting"
 
 
 # a GPU-like fit: the fixed cost of a forward dominates, a row more costs little
