@@ -67,6 +67,8 @@ class DecodeSteps:
                                       joining_contexts(batch, step.drafted, self.offloader))
         if plan.reason == PLAIN_FASTER:
             self._demote_for_room(batch, step.drafted)
+        logger.debug("decode step: %d rows, %d drafts (%s); predicted tok/s plain %s, drafted %s",
+                     len(batch.reqs), plan.drafts, plan.reason, plan.plain_rate, plan.draft_rate)
         if self.metrics is not None:
             self.metrics.observe_step(plan.reason)
             self.metrics.observe_pressure_offload(moved)
