@@ -205,10 +205,11 @@ def summarize(args: argparse.Namespace, n_full: int, budget: int, n_req: int,
         wall = statistics.median(run["wall_s"] for run in rounds)
         tokens = statistics.median(sum(len(o) for o in run["outputs"]) for run in rounds)
         same = sum(a == b for run in rounds for a, b in zip(run["outputs"], ref))
+        peak = max(run["peak_running"] for run in rounds)
         rows.append({
             "server": name,
-            "peak_running": max(run["peak_running"] for run in rounds),
-            "vs_n_full": round(max(run["peak_running"] for run in rounds) / n_full, 2),
+            "peak_running": peak,
+            "vs_n_full": round(peak / n_full, 2),
             "output_tokens_per_s": round(tokens / wall, 2),
             "throughput_vs_plain": round(tokens / wall / plain_tps, 2),
             "identical_to_plain": same if args.temperature == 0 else None,  # sampled: no contract
