@@ -420,3 +420,35 @@ def test_a_row_is_sized_for_its_remaining_output_so_decode_appends_never_regrow_
         keys, values = off.layer_reader(1, 140)(layer)
         assert torch.equal(keys, kv.get_key_buffer(layer)[written].transpose(0, 1))
         assert torch.equal(values, kv.get_value_buffer(layer)[written].transpose(0, 1))
+
+
+@pytest.mark.parametrize("waiting", [True, False])
+def test_admission_counts_the_slots_a_finished_prefills_offload_gives_back(waiting: bool) -> None:
+    """A prefill's offload waits for the worker's next forward, unless a request waits for room:
+    then admission runs it first, and the attempt sees the freed slots (srt/admission.py)."""
+    from types import SimpleNamespace
+
+    from sglang_vericache.srt.admission import _new_prefill_around
+    from sglang_vericache.srt.offloader import PoolOffloader
+
+    kv, rows, alloc = _pools(1)
+    off = PoolOffloader(kv, rows, alloc, LAYERS)
+    free0 = alloc.available_size()
+    _fill_row(rows, alloc, 1, 150)  # a prompt just prefilled: its full KV in the pool
+    settled = []
+
+    def settle() -> None:  # what the worker queued: move the prompt to the host
+        settled.append(off.offload(1, owned_from=0, committed=150, compressed_bytes=0).moved)
+
+    off.ledger.settle_prefills = settle
+    free_at_attempt = []
+    scheduler = SimpleNamespace(tree_cache=SimpleNamespace(offloader=off),
+                                waiting_queue=["a request"] if waiting else [])
+    running = SimpleNamespace(batch_is_full=True)
+    _new_prefill_around(lambda *_: free_at_attempt.append(alloc.available_size()),
+                        scheduler, None, running)
+    if waiting:
+        assert settled == [150] and free_at_attempt == [free0]
+        assert running.batch_is_full is False  # memory came back: admission tries again
+    else:
+        assert settled == [] and free_at_attempt == [free0 - 150]  # left for the forward

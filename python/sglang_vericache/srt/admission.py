@@ -18,6 +18,12 @@ being fetched from a remote tier cannot be added yet, but nothing behind it shou
 network: the hook around ``add_one_req`` passes over it (as SGLang passes over a request whose
 HiCache storage prefetch is running) and the loop goes on to the next.
 
+A prefill's own offload (its full KV to the host, its compressed KV reserved) runs after its
+first token is out, at the worker's next forward. When a request waits, the second hook runs
+that work first (``OffloadLedger.settle_prefills``): SGLang's loop publishes a step's tokens
+before it admits the next batch, so the first token is not delayed, and the attempt counts the
+slots the offload gives back instead of waiting a decode step for them.
+
 SGLang also stops trying to admit once an admission failed for memory (``batch_is_full``) until
 a request leaves. Under VeriCache memory comes back without anyone leaving (the worker offloads
 resident full KV when admission is short), so the second hook reopens admission whenever
@@ -72,6 +78,9 @@ def _running_offset_around(original: Callable[..., Any], adder: Any, req: Any) -
 def _new_prefill_around(original: Callable[..., Any], scheduler: Any, *args: Any, **kw: Any) -> Any:
     running_batch = kw.get("running_batch", args[1] if len(args) > 1 else None)
     offloader = getattr(scheduler.tree_cache, "offloader", None)
+    settle = None if offloader is None else offloader.ledger.settle_prefills
+    if settle is not None and scheduler.waiting_queue:
+        settle()  # the last prefill's offload gives slots back: count them in this attempt
     if offloader is not None and running_batch is not None and running_batch.batch_is_full:
         freed = offloader.ledger.freed_slots
         if freed != getattr(scheduler.tree_cache, "freed_seen", 0):

@@ -157,6 +157,11 @@ class OffloadLedger:
         # Called with a request id when SGLang releases the request's KV (finished at prefill
         # or decode, aborted, retracted): the end of its life, which the worker needs too.
         self.release_listeners: list[Callable[[str], None]] = []
+        # The work finished prefills left for after their first tokens (compress, offload),
+        # which gives pool slots back; set by the worker when it queues such work. Admission
+        # runs it before it counts free slots (``srt/admission.py``), so a waiting request
+        # sees that room at once, not one decode step later.
+        self.settle_prefills: Callable[[], None] | None = None
         # The prefix tree the pool's rows share (the ``vericache`` prefix cache sets itself):
         # what a drafted row's pool slots become when its full KV moves to the host.
         self.tree: PrefixTreeHooks | None = None

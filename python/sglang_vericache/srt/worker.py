@@ -259,6 +259,8 @@ class VeriCacheWorker(DecodeSteps, BaseSpecWorker):
                            for layer in range(self.num_layers)]  # fmt: skip
             self.book.after_prefill[req.rid] = partial(self._settle_prefill, req, rows[i],
                                                        seq_lens[i], queries, mode)  # fmt: skip
+        if self.book.after_prefill:  # admission runs it first when a request waits for room
+            self.offloader.ledger.settle_prefills = self._settle_prefills
         bs = len(batch.reqs)
         ones = torch.ones(bs, dtype=torch.int32, device=self.device)
         return self._result(batch, out.next_token_ids, ones, batch.seq_lens.clone(),
