@@ -19,7 +19,7 @@ Offloading a row frees its resident tokens and also shrinks what admission reser
 future (``srt/admission.py``), so covering the deficit with resident tokens is enough; if
 admission still fails, the next attempt reports the rest.
 
-Once offloaded, a request stays offloaded (its tail follows every ``TAIL_CHUNK`` tokens): moving
+Once offloaded, a request stays offloaded (its tail follows: ``PoolOffloader.tail_tokens``): moving
 KV back would cost a copy to gain nothing the scheduler asked for. A request finishing frees its
 KV either way.
 """

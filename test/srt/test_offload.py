@@ -41,7 +41,7 @@ def _full_kv(offloader, row: int, end: int) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_offload_frees_slots_and_reads_back_exactly(page_size: int) -> None:
-    from sglang_vericache.srt.offload import PLACEHOLDER_SLOT
+    from sglang_vericache.srt.offload import PLACEHOLDER_SLOT, TAIL_CHUNK
     from sglang_vericache.srt.offloader import PoolOffloader
 
     kv, rows, alloc = _pools(page_size)
@@ -59,10 +59,18 @@ def test_offload_frees_slots_and_reads_back_exactly(page_size: int) -> None:
     assert bool((rows.req_to_token[1, lo:hi] == PLACEHOLDER_SLOT).all())
     for a, b in zip(before, _full_kv(off, 1, 120)):
         assert torch.equal(a, b)  # exact: the host copy is the pool's bytes
-    # the tail continues the host range; too little tail moves nothing
-    assert off.offload(1, 6, 110, compressed).moved == 0
+    # the tail continues the host range; on a device pool too little tail moves nothing, on
+    # this host-memory pool every committed token follows (a tail there is gathered per read)
+    assert off.offload(1, 6, 110, compressed, min_tokens=TAIL_CHUNK).moved == 0
+    assert off.tail_tokens == 1
     assert off.offload(1, 6, 120, compressed, min_tokens=8).moved == (120 - hi) // page_size * page_size
     for a, b in zip(before, _full_kv(off, 1, 120)):
+        assert torch.equal(a, b)
+    _fill_row(rows, alloc, 1, page_size, start=120)  # one more page decoded: it follows at once
+    grown = _full_kv(off, 1, 120 + page_size)
+    assert off.offload(1, 6, 120 + page_size, compressed).moved == page_size
+    assert off.ledger.span(1).hi == 120 + page_size
+    for a, b in zip(grown, _full_kv(off, 1, 120 + page_size)):
         assert torch.equal(a, b)
 
 

@@ -1,7 +1,8 @@
 """The VeriCache memory layout: full KV of a drafted request in host memory, not in the pool.
 
-After prefill (and every ``TAIL_CHUNK`` committed tokens after that) the worker moves the full
-KV of a request's own positions to a host buffer and gives their pool slots back; the row keeps a
+After prefill (and every ``TAIL_CHUNK`` committed tokens after that; on a host-memory pool,
+every committed token: ``PoolOffloader.tail_tokens``) the worker moves the full KV of a
+request's own positions to a host buffer and gives their pool slots back; the row keeps a
 placeholder there. What stays in the device pool per request::
 
     row positions  0 ........ lo | lo ............ hi | hi ...... base | base .. base+x
@@ -29,7 +30,8 @@ from typing import Any, Callable, Protocol
 import torch
 from torch import Tensor
 
-# Committed tokens collected in the pool before they move to the host (amortises the copy).
+# Committed tokens collected in a device pool before they move to the host (amortises the
+# transfer; a host-memory pool moves every token: ``PoolOffloader.tail_tokens``).
 TAIL_CHUNK = 32
 
 # Free columns a host buffer keeps after its tokens when it grows: room for the pool's tail

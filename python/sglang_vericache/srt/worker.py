@@ -12,14 +12,15 @@ gets every extend (prefill) and decode batch. Per decode step and request::
              cache; drafts past the first rejection are rolled back (their slots are rewritten
              by the next step)
     offload: while admission or the next step is short of pool slots, resident full KV moves
-             to host memory (largest first; then every TAIL_CHUNK tokens) and its pool slots
-             go back to the allocator; only the compressed KV's share stays reserved in the
-             pool (``placement.py``, ``srt/offload.py``)
+             to host memory (largest first; then its tail: ``PoolOffloader.tail_tokens``) and
+             its pool slots go back to the allocator; only the compressed KV's share stays
+             reserved in the pool (``placement.py``, ``srt/offload.py``)
 
 A prefill step returns its first tokens before the rest of its work: each drafted request's
 compressed KV and the move of its full KV to the host run first thing in the worker's next
-forward (``RequestBook.after_prefill``), so they are not part of the time to first token, and
-a request that finishes at its first token never pays for them.
+forward (``RequestBook.after_prefill``), or earlier in SGLang's next admission attempt when a
+request waits for room (``OffloadLedger.settle_prefills``), so they are not part of the time to
+first token, and a request that finishes at its first token never pays for them.
 
 Whether a step drafts at all, and how far, is decided per step from measured forward costs
 (``srt/draft_length.py``): where drafting would commit fewer tokens per second than plain
