@@ -38,9 +38,8 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmark"))
 sys.path.insert(0, str(REPO / "scripts"))
 
-from benchmark.capacity import SLOT_SLACK  # noqa: E402
-from benchmark.prompts import build_prompt_set  # noqa: E402
-from benchmark.step_profile import Window, one_request  # noqa: E402
+from benchmark.step_profile import Window, ample_workload, one_request  # noqa: E402
+from step_profile_report import shortest_prompt  # noqa: E402
 from sglang_vericache.exactness.server import SGLangServer  # noqa: E402
 from sglang_vericache.models import ensure_default_model  # noqa: E402
 
@@ -63,6 +62,8 @@ COMPONENTS = [
     ("other model ops", ("LlamaForCausalLM.forward",)),
 ]
 OUTSIDE = "outside the model"
+# The table's rows, in the order a drafted step runs them (PHASES is in match priority).
+ROWS = ["draft forward", "verify forward", "plain forward", "commit", "prefill", "scheduler"]
 
 
 def classify(frames: list[str]) -> tuple[str, str]:
@@ -93,15 +94,15 @@ def markdown(report: dict) -> str:
     columns = [c for c, _ in COMPONENTS] + [OUTSIDE]
     lines = [
         "# Where the time goes in the source (py-spy on a live VeriCache server)", "",
-        f"{s['concurrency']} requests of {s['prompt_tokens'] * 5 // 7}-{s['prompt_tokens']} "
+        f"{s['concurrency']} requests of "
+        f"{shortest_prompt(s['prompt_tokens'])}-{s['prompt_tokens']} "
         f"prompt tokens at once, `{s['compressor']}`, draft length `{s['draft_len']}`; "
         f"{s['seconds']} s of samples at {s['rate']} Hz while every request decodes "
         f"({total} samples). Share of all samples; a row sums to its phase's share.", "",
         "| phase | share | " + " | ".join(columns) + " |",
         "|---|---|" + "---|" * len(columns),
     ]  # fmt: skip
-    for phase in ["draft forward", "verify forward", "plain forward", "commit", "prefill",
-                  "scheduler"]:
+    for phase in ROWS:
         counts = table.get(phase, {})
         n = sum(counts.values())
         if n:
@@ -141,12 +142,10 @@ def main() -> None:
     model = ensure_default_model()
     tok = AutoTokenizer.from_pretrained(str(model))
     b = args.concurrency
-    prompts = build_prompt_set(tok, n=b, min_tokens=args.prompt_tokens * 5 // 7,
-                               max_tokens=args.prompt_tokens, seed=args.seed)  # fmt: skip
-    budget = b * (args.prompt_tokens + args.max_new_tokens + 16) + SLOT_SLACK
-    server_args = ["--model-path", str(model), "--max-total-tokens", str(budget),
-                   "--max-running-requests", str(b), "--vericache", "--vericache-compressor",
-                   args.compressor, "--vericache-draft-len", args.draft_len]  # fmt: skip
+    prompts, base = ample_workload(tok, model, b, args.prompt_tokens, args.max_new_tokens,
+                                   args.seed)  # fmt: skip
+    server_args = base + ["--vericache", "--vericache-compressor", args.compressor,
+                          "--vericache-draft-len", args.draft_len]  # fmt: skip
     logs = args.out.parent / f"{args.out.name}-logs"
     logs.mkdir(parents=True, exist_ok=True)
     raw_path = logs / "samples.raw"

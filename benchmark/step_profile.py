@@ -40,7 +40,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 
 from model_params import SMOLLM2, fit_cpu  # noqa: E402
 from replay_agentic import stream_chat  # noqa: E402
-from step_profile_report import PHASES  # noqa: E402
+from step_profile_report import PHASES, shortest_prompt  # noqa: E402
 
 from benchmark.agentic_tool_calls import vericache_counters  # noqa: E402
 from benchmark.capacity import OFFLOAD_ONLY, SLOT_SLACK  # noqa: E402
@@ -85,6 +85,17 @@ class Window:
     def valid(self) -> bool:
         return (not self.finished_early and self.opened is not None
                 and self.closed is not None and self.closed > self.opened)  # fmt: skip
+
+
+def ample_workload(tok, model: Path, batch: int, prompt_tokens: int, max_new: int,
+                   seed: int) -> tuple[list[dict], list[str]]:  # fmt: skip
+    """``batch`` long prompts and the server arguments of a budget that fits all their full KV:
+    the step profile's workload (``source_profile.py`` profiles the same one)."""
+    prompts = build_prompt_set(tok, n=batch, min_tokens=shortest_prompt(prompt_tokens),
+                               max_tokens=prompt_tokens, seed=seed)  # fmt: skip
+    budget = batch * (prompt_tokens + max_new + 16) + SLOT_SLACK
+    return prompts, ["--model-path", str(model), "--max-total-tokens", str(budget),
+                     "--max-running-requests", str(batch)]  # fmt: skip
 
 
 def one_request(url: str, text: str, max_new: int, window: Window, row: dict) -> None:
@@ -214,14 +225,10 @@ def main() -> None:
 
     model = ensure_default_model()
     tok = AutoTokenizer.from_pretrained(model)
-    lo = args.prompt_tokens * 5 // 7
     report = {"settings": vars(args) | {"out": str(args.out)}, "runs": []}
     for b in args.concurrency:
-        prompts = build_prompt_set(tok, n=b, min_tokens=lo, max_tokens=args.prompt_tokens,
-                                   seed=args.seed)  # fmt: skip
-        budget = b * (args.prompt_tokens + args.max_new_tokens + 16) + SLOT_SLACK
-        base = ["--model-path", str(model), "--max-total-tokens", str(budget),
-                "--max-running-requests", str(b)]  # fmt: skip
+        prompts, base = ample_workload(tok, model, b, args.prompt_tokens, args.max_new_tokens,
+                                       args.seed)  # fmt: skip
         logs = args.out.parent / f"{args.out.name}-logs" / f"b{b}"
         vc = ["--vericache", "--vericache-compressor", args.compressor,
               "--vericache-draft-len", args.draft_len]  # fmt: skip

@@ -10,6 +10,11 @@ from sglang_vericache.verify.step_profile import Phase
 PHASES = (*(phase.value for phase in Phase), "other")  # the metrics' phase labels
 
 
+def shortest_prompt(longest: int) -> int:
+    """The shortest prompt of a set whose longest has ``longest`` tokens (the set spans 5/7)."""
+    return longest * 5 // 7
+
+
 def _mib(n: int) -> str:
     return f"{n / 2**20:.1f} MiB"
 
@@ -34,7 +39,7 @@ def markdown(report: dict) -> str:
     lines = [
         "# Step profile: decode throughput while every request decodes, and where a step goes",
         "",
-        f"Prompts of {s['prompt_tokens'] * 5 // 7}-{s['prompt_tokens']} tokens (seed {s['seed']}), "
+        f"Prompts of {shortest_prompt(s['prompt_tokens'])}-{s['prompt_tokens']} tokens (seed {s['seed']}), "
         f"{s['max_new_tokens']} new "
         f"tokens, greedy, ample budget; VeriCache `{s['compressor']}`, draft length "
         f"`{s['draft_len']}`. `python benchmark/step_profile.py --concurrency "
