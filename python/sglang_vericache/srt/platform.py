@@ -22,12 +22,25 @@ CPU defaults (applied only where the user left the flag unset):
   an out-of-memory kill). ``--max-total-tokens`` sizes the pool exactly. The choice is logged.
 - ``--sleep-on-idle``: an idle scheduler otherwise spins on its sockets at 100% of a core, which
   on a CPU machine is a core taken from every other server's forward passes.
-- ``OMP_WAIT_POLICY=PASSIVE`` for the scheduler processes (unless the environment sets it):
-  OpenMP's default lets torch's worker threads spin between the many small parallel regions of
-  a decode step, and any other busy process on the cores (the tokenizer, a second server, a
-  client) turns that spinning into a collapse. Measured on 2 cores, 3,000 decode-sized matmuls:
-  alone 1.54 s spinning vs 1.61 s passive; two processes at once 6.6 s vs 3.0 s each; beside
-  two busy servers 47 s vs 3.0 s.
+- ``GOMP_SPINCOUNT=1000`` for the scheduler processes (unless the environment sets it or
+  ``OMP_WAIT_POLICY``): after each parallel region torch's OpenMP threads spin this long for the
+  next one, then sleep. OpenMP's default spins ~300x longer, and any other busy process on the
+  cores (the tokenizer, a second server, a client) turns that spinning into a collapse; never
+  spinning (``OMP_WAIT_POLICY=PASSIVE``) wakes a sleeping thread for each of a decode step's
+  many small parallel regions instead. 1000 is libgomp's own choice when it sees more threads
+  than CPUs. Measured on 2 cores, 3,000 decode-sized pairs of an 8-row matmul and a 1k-key
+  attention (seconds per process):
+
+      processes at once     default spin   passive     spin 1000
+      1                     1.50           1.79-2.22   1.51-1.67
+      2                     8.0            2.9-3.0     3.4
+      3                     -              3.8-5.5     4.6-6.7
+
+  (The default beside two busy servers: 47 s, the collapse that once made PASSIVE the choice:
+  a penalized request went unanswered for 300 s in the fuzzer, ``benchmark/README.md``.)
+
+  A draft forward's attention (8 rows x 1k keys x 30 layers, one SDPA per row and layer) took
+  66-88 ms passive and 57-63 ms at 1000: the draft path runs the most small regions.
 """
 
 from __future__ import annotations
@@ -47,6 +60,8 @@ from sglang.srt.platforms.interface import KVPoolKind, PlatformCapabilities
 logger = logging.getLogger(__name__)
 
 OMP_WAIT_POLICY = "OMP_WAIT_POLICY"
+GOMP_SPINCOUNT = "GOMP_SPINCOUNT"
+SPIN_COUNT = "1000"  # libgomp's default when more threads than CPUs (module doc)
 
 CPU_MEM_FRACTION_STATIC = 0.2
 PLATFORM_QUALNAME = "sglang_vericache.srt.platform.TorchCpuPlatform"
@@ -104,9 +119,10 @@ class TorchCpuPlatform(CpuSRTPlatform):
         if not server_args.sleep_on_idle:
             server_args.sleep_on_idle = True
         # read by the OpenMP runtime of each scheduler process this one spawns (see module doc)
-        if os.environ.setdefault(OMP_WAIT_POLICY, "PASSIVE") == "PASSIVE":
-            logger.info("CPU platform: %s=PASSIVE (torch threads sleep, not spin, when idle)",
-                        OMP_WAIT_POLICY)  # fmt: skip
+        if OMP_WAIT_POLICY not in os.environ and GOMP_SPINCOUNT not in os.environ:
+            os.environ[GOMP_SPINCOUNT] = SPIN_COUNT
+            logger.info("CPU platform: %s=%s (torch threads spin briefly between parallel "
+                        "regions, then sleep)", GOMP_SPINCOUNT, SPIN_COUNT)  # fmt: skip
 
 
 def activate() -> str | None:
