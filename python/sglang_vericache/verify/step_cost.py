@@ -17,11 +17,14 @@ machines are shared). No torch, no clock: the caller measures, this remembers.
 
 A fit is trusted only near what it has seen (``covers``): a few forwards of one shape cannot
 tell fixed from per-token from per-KV-token cost, so the fit a fresh server learns from its
-warm-up request (one row, ~40 tokens) says little about eight rows of 2k tokens. A shape more
-than ``reach`` times the largest rows or KV read observed is measured before it is predicted,
-and so is one with fewer than 1 / ``reach`` of the fewest rows among the recent samples (those
-the forgetting factor still weighs): eight rows of equal context cannot tell per-row from
-fixed cost either, and one fitted on them alone priced a lone 2k row's step 1.5x too high.
+warm-up request (one row, ~40 tokens) says little about eight rows of 2k tokens, and eight rows
+of equal context cannot tell per-row from fixed cost either (one fitted on them alone priced a
+lone 2k row's step 1.5x too high). A shape is predicted only once ``near_samples`` of the
+recent samples (those the forgetting factor still weighs) are near it: rows within a factor
+``reach`` either way, and a KV read at least 1 / ``reach`` of the shape's (a smaller one leans
+on the fixed cost, which every sample measures). Two, not one: the first forward of a new shape
+can carry one-off costs, and one sample alone is the fit there (at 8 x 6k a first plain step
+took 914 ms where the next ones took ~470, and the planner, trusting it, drafted at a loss).
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 FEATURES = 3  # 1, queries, kv_read
-MEMORY_MAX = 4096  # recent rows remembered when nothing is forgotten (forgetting = 1)
+MEMORY_MAX = 4096  # recent samples remembered when nothing is forgotten (forgetting = 1)
 
 
 class ForwardKind(StrEnum):
@@ -78,17 +81,25 @@ class ForwardShape:
         return 1.0, float(self.queries), float(self.kv_read)
 
 
+def _memory(forgetting: float) -> int:
+    """Samples until the forgetting factor has weighed one down to 1/e (1 / (1 - forgetting)
+    for a factor near 1; 50 at 0.98)."""
+    return max(1, math.ceil(-1.0 / math.log(forgetting))) if forgetting < 1.0 else MEMORY_MAX
+
+
 @dataclass(frozen=True, slots=True)
 class CostFitConfig:
     """forgetting: weight kept per observation (1 = never forget); prior: ridge strength on the
     coefficients (a prior of zero cost, worth this many pseudo-observations per unit feature);
-    min_samples: observations before a kind's prediction is trusted; reach: how far past the
-    largest rows and KV read observed a prediction is trusted (``LinearCost.covers``)."""
+    min_samples: observations before a kind's prediction is trusted; reach, near_samples: how
+    far from the recent samples a prediction is trusted, and how many of them must be that near
+    (``LinearCost.covers``)."""
 
     forgetting: float = 0.98
     prior: float = 1e-6
     min_samples: int = 3
     reach: float = 2.0
+    near_samples: int = 2
 
     def __post_init__(self) -> None:
         if not 0.5 < self.forgetting <= 1.0:
@@ -99,6 +110,9 @@ class CostFitConfig:
             raise ValueError(f"min_samples must be >= 1, got {self.min_samples}")
         if not self.reach >= 1.0:
             raise ValueError(f"reach must be >= 1, got {self.reach}")
+        if not 1 <= self.near_samples <= _memory(self.forgetting):
+            raise ValueError(f"near_samples must be in [1, {_memory(self.forgetting)}] (what "
+                             f"forgetting {self.forgetting} remembers), got {self.near_samples}")
 
 
 class LinearCost:
@@ -117,9 +131,8 @@ class LinearCost:
         self._p = [[1.0 / config.prior if i == j else 0.0 for j in range(FEATURES)]
                    for i in range(FEATURES)]  # fmt: skip
         self._theta = [0.0] * FEATURES
-        self.max_rows = self.max_kv_read = 0  # the largest shape observed (never forgotten)
-        # rows of the samples the forgetting factor still weighs (down to ~1/e)
-        self._recent_rows: deque[int] = deque(maxlen=_memory(config.forgetting))
+        # (rows, kv_read) of the samples the forgetting factor still weighs (down to ~1/e)
+        self._recent: deque[tuple[int, int]] = deque(maxlen=_memory(config.forgetting))
 
     def _x(self, shape: ForwardShape) -> list[float]:
         return [f * s for f, s in zip(shape.features(), self._SCALE)]
@@ -136,24 +149,19 @@ class LinearCost:
         self._p = [[(p[i][j] - gain[i] * px[j]) / lam for j in range(FEATURES)]
                    for i in range(FEATURES)]  # fmt: skip
         self.samples += 1
-        self.max_rows = max(self.max_rows, shape.rows)
-        self.max_kv_read = max(self.max_kv_read, shape.kv_read)
-        self._recent_rows.append(shape.rows)
+        self._recent.append((shape.rows, shape.kv_read))
 
     @property
     def ready(self) -> bool:
         return self.samples >= self.config.min_samples
 
     def covers(self, shape: ForwardShape) -> bool:
-        """Ready, and ``shape`` within ``reach`` of the largest rows and KV read observed and of
-        the fewest rows observed recently: a smaller KV read leans on the fixed cost, which
-        every sample measures, but rows far from any recent sample's would extrapolate a split
-        between per-row and fixed cost that the data may not have made."""
-        reach = self.config.reach
-        return self.ready and (
-            reach * shape.rows >= min(self._recent_rows)
-            and shape.rows <= reach * self.max_rows
-            and shape.kv_read <= reach * self.max_kv_read)  # fmt: skip
+        """Ready, and at least ``near_samples`` recent samples near ``shape`` (module doc)."""
+        cfg = self.config
+        near = sum(1 for rows, kv_read in self._recent
+                   if shape.rows <= cfg.reach * rows and rows <= cfg.reach * shape.rows
+                   and shape.kv_read <= cfg.reach * kv_read)  # fmt: skip
+        return self.ready and near >= cfg.near_samples
 
     def predict(self, shape: ForwardShape) -> float:
         return max(0.0, sum(t * xi for t, xi in zip(self._theta, self._x(shape))))
@@ -161,12 +169,6 @@ class LinearCost:
     def check_integrity(self) -> None:
         for i in range(FEATURES):
             assert self._p[i][i] > 0, f"covariance lost positivity at {i}: {self._p[i][i]}"
-
-
-def _memory(forgetting: float) -> int:
-    """Samples until the forgetting factor has weighed one down to 1/e (1 / (1 - forgetting)
-    for a factor near 1; 50 at 0.98)."""
-    return max(1, math.ceil(-1.0 / math.log(forgetting))) if forgetting < 1.0 else MEMORY_MAX
 
 
 class StepCostModel:

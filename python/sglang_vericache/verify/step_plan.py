@@ -74,7 +74,10 @@ class PlannerConfig:
     # sweep, benchmark/README.md), so a smaller predicted win is about as likely a loss, and
     # flipping between the modes costs the compressed KV's catch-up
     margin: float = 0.10
-    explore_every: int = 64  # decisions before the first exploration (and after a changed mind)
+    # decisions before the first exploration (and after a changed mind): one step in the mode
+    # not chosen, a few percent of steps once the intervals double; at 64, a fit misled by one
+    # slow sample went unchallenged for a whole 42-step decode (benchmark/README.md)
+    explore_every: int = 16
     explore_max: int = 1024  # longest interval between explorations
 
     def __post_init__(self) -> None:
