@@ -28,19 +28,15 @@ CPU defaults (applied only where the user left the flag unset):
   cores (the tokenizer, a second server, a client) turns that spinning into a collapse; never
   spinning (``OMP_WAIT_POLICY=PASSIVE``) wakes a sleeping thread for each of a decode step's
   many small parallel regions instead. 1000 is libgomp's own choice when it sees more threads
-  than CPUs. Measured on 2 cores, 3,000 decode-sized pairs of an 8-row matmul and a 1k-key
-  attention (seconds per process):
+  than CPUs. Measured on 2 cores by ``benchmark/omp_wait.py``, 3,000 decode-sized pairs of an
+  8-row matmul and a 1k-key attention (seconds per process, two sessions' runs):
 
       processes at once     default spin   passive     spin 1000
-      1                     1.50           1.79-2.22   1.51-1.67
-      2                     8.0            2.9-3.0     3.4
-      3                     -              3.8-5.5     4.6-6.7
+      1                     1.42-1.61      1.79-2.22   1.44-1.72
+      2                     8.0-14.1       2.8-3.0     3.4
+      3                     19.9-24.6      3.5-5.5     4.7-6.7
 
-  (The default beside two busy servers: 47 s, the collapse that once made PASSIVE the choice:
-  a penalized request went unanswered for 300 s in the fuzzer, ``benchmark/README.md``.)
-
-  A draft forward's attention (8 rows x 1k keys x 30 layers, one SDPA per row and layer) took
-  66-88 ms passive and 57-63 ms at 1000: the draft path runs the most small regions.
+  Servers decoding 8 x 3-4k requests went 10-14% faster than passive (``benchmark/README.md``).
 """
 
 from __future__ import annotations
