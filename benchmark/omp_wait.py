@@ -58,6 +58,10 @@ else:
 """
 
 
+# result column -> (workload, processes started together)
+COLUMNS = {"1": ("pairs", 1), "2": ("pairs", 2), "3": ("pairs", 3), "draft": ("draft", 1)}
+
+
 def configs(spins: list[int]) -> dict[str, dict[str, str]]:
     out = {"default spin": {}, "passive": {"OMP_WAIT_POLICY": "PASSIVE"}}
     out.update({f"spin {n}": {"GOMP_SPINCOUNT": str(n)} for n in spins})
@@ -92,12 +96,12 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("benchmark/results/omp_wait"))
     args = parser.parse_args()
     table = configs(args.spin)
-    results = {name: {"1": [], "2": [], "3": [], "draft": []} for name in table}
-    jobs = [(r, name, k) for r in range(args.rounds) for name in table for k in (1, 2, 3, 0)]
+    results = {name: {column: [] for column in COLUMNS} for name in table}
+    jobs = [(name, column) for _ in range(args.rounds) for name in table for column in COLUMNS]
     started = time.perf_counter()
-    for _, name, k in tqdm(jobs, desc="omp_wait"):  # rounds alternate the configurations
-        kind = "draft" if k == 0 else "pairs"
-        results[name]["draft" if k == 0 else str(k)] += run_together(kind, table[name], max(k, 1))
+    for name, column in tqdm(jobs, desc="omp_wait"):  # rounds alternate the configurations
+        kind, k = COLUMNS[column]
+        results[name][column] += run_together(kind, table[name], k)
     report = {"rounds": args.rounds, "configs": table, "results": results,
               "wall_s": round(time.perf_counter() - started, 1)}  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
