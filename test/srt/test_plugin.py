@@ -56,6 +56,22 @@ def test_sglang_resolves_our_platform_here() -> None:
     assert current_platform.get_default_attention_backend() == "torch_native"
 
 
+def test_importing_our_platform_first_still_resolves_it() -> None:
+    """SGLang's first import resolves its platform through our entry point; were our platform
+    module the first to import SGLang, the entry point would be half-imported then and SGLang
+    would fall back to its base platform for the whole process (CI caught this through a test
+    module that imports the platform at collection)."""
+    check = (
+        "import sglang_vericache.srt.platform as ours\n"
+        "from sglang.srt.platforms import current_platform as p\n"
+        "assert isinstance(p, ours.TorchCpuPlatform), p\n"
+    )
+    done = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "partially initialized" not in done.stderr
+
+
 BAD_FLAGS = [
     (["--vericache-compressor", "nonsense"], ["--vericache-compressor", "streaming", "kivi"]),
     (["--vericache-tier", "disk"], ["--vericache-tier", "zmq://HOST:PORT"]),
