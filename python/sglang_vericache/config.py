@@ -312,9 +312,11 @@ def add_cli_flags(parser: argparse.ArgumentParser) -> None:
         default="auto",
         choices=DRAFT_DTYPES,
         help="Precision of the weights in draft forwards (verification always uses the model's "
-        "own): 'auto' drafts with bfloat16 copies of the weights where the model runs in float32 "
-        "and a bfloat16 matmul measures faster on this device; 'model' never copies them. "
-        "Drafts only propose, so this moves acceptance, never the output. Default: auto.",
+        "own): 'auto', where the model runs in float32, drafts with the faster of a float16 copy "
+        "of the weights packed for fbgemm (x86 CPUs; fp32 arithmetic) and a bfloat16 copy, if a "
+        "matmul measures it faster on this device; 'float16' / 'bfloat16' force one; 'model' "
+        "never copies them. Drafts only propose, so this moves acceptance, never the output. "
+        "Default: auto.",
     )
 
 

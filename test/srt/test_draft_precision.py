@@ -38,9 +38,24 @@ class TinyCausalLM(nn.Module):
 
 
 class Logits(nn.Module):
+    """SGLang's ``_compute_lm_head`` dispatch: the head's quant method where SGLang's own rule
+    applies it (the shadow head relies on that), else a matmul by its weight."""
+
     def forward(self, input_ids, hidden_states, lm_head, forward_batch, *args):
-        logits = torch.matmul(hidden_states.to(lm_head.weight.dtype), lm_head.weight.T)
+        from sglang.srt.layers.logits_processor import should_apply_lm_head_quant_method
+
+        method = getattr(lm_head, "quant_method", None)
+        if should_apply_lm_head_quant_method(lm_head, method):
+            logits = method.apply(lm_head, hidden_states, None)
+        else:
+            logits = torch.matmul(hidden_states.to(lm_head.weight.dtype), lm_head.weight.T)
         return SimpleNamespace(next_token_logits=logits)
+
+
+def bf16():
+    from sglang_vericache.srt.draft_precision import ShadowFormat
+
+    return ShadowFormat(torch.bfloat16)
 
 
 def test_outside_drafting_every_layer_is_bit_identical_and_inside_runs_on_shadows() -> None:
@@ -49,10 +64,10 @@ def test_outside_drafting_every_layer_is_bit_identical_and_inside_runs_on_shadow
     model = TinyCausalLM()
     x = torch.randn(8, 32)
     before = model(x)
-    precision = DraftPrecision(torch.bfloat16).install(model)
+    precision = DraftPrecision(bf16()).install(model)
     assert precision.layers == 3  # up, down and the LM head
     assert isinstance(model.up.quant_method, ShadowLinearMethod)
-    expected_bytes = 2 * (32 * 128 + 128 * 32 + 50 * 32)  # bf16 copies of the three weights
+    expected_bytes = 2 * (32 * 128 + 128 * 32 + 50 * 32 + 128)  # bf16 weights and up's bias
     assert precision.nbytes == expected_bytes
 
     assert torch.equal(model(x), before)  # not drafting: the model's own weights, bit for bit
@@ -76,7 +91,7 @@ def test_drafting_without_shadows_is_a_no_op_and_the_switch_resets_on_error() ->
 
     with drafting(None):
         pass
-    precision = DraftPrecision(torch.bfloat16)
+    precision = DraftPrecision(bf16())
     with pytest.raises(RuntimeError), drafting(precision):
         assert precision.switch.active
         raise RuntimeError("a draft forward failed")
@@ -87,22 +102,58 @@ def test_layers_already_in_the_draft_dtype_are_not_copied() -> None:
     from sglang_vericache.srt.draft_precision import DraftPrecision
 
     model = TinyCausalLM().to(torch.bfloat16)
-    precision = DraftPrecision(torch.bfloat16).install(model)
-    assert precision.layers == 1 and precision.nbytes == 2 * 50 * 32  # the LM head only
+    precision = DraftPrecision(bf16()).install(model)
+    assert precision.layers == 0 and precision.nbytes == 0  # the LM head neither
+    assert type(model.logits_processor).__name__ == "Logits"
     assert type(model.up.quant_method).__name__ == "UnquantizedLinearMethod"
 
 
-def test_choose_draft_dtype_follows_the_flag_and_the_model_dtype() -> None:
-    from sglang_vericache.srt.draft_precision import choose_draft_dtype, matmul_speedup
+@pytest.mark.skipif(not torch.backends.quantized.supported_engines.count("fbgemm")
+                    and not torch.backends.quantized.supported_engines.count("x86"),
+                    reason="fbgemm's packed fp16 GEMM is x86 only")  # fmt: skip
+def test_packed_fp16_shadows_compute_in_fp32_over_fp16_rounded_weights() -> None:
+    from sglang_vericache.srt.draft_precision import DraftPrecision, ShadowFormat, drafting
+
+    model = TinyCausalLM()
+    x = torch.randn(8, 32)
+    before = model(x)
+    precision = DraftPrecision(ShadowFormat(torch.float16, packed=True)).install(model)
+    assert precision.layers == 3
+    assert precision.nbytes == 2 * (32 * 128 + 128 * 32 + 50 * 32) + 4 * 128  # fp16 + fp32 bias
+    with drafting(precision):
+        drafted = model(x)
+    assert torch.equal(model(x), before)  # outside drafting: the model's own weights
+
+    h = lambda t: t.detach().half().float()  # noqa: E731  what the packed weights hold
+    hidden = torch.nn.functional.linear(x, h(model.up.weight), model.up.bias.detach())
+    hidden = torch.nn.functional.linear(torch.relu(hidden), h(model.down.weight))
+    expected = hidden @ h(model.lm_head.weight).T
+    assert drafted.dtype == torch.float32
+    assert torch.allclose(drafted, expected, rtol=1e-5, atol=1e-5)  # fp32 arithmetic
+    assert not torch.equal(drafted, before)  # the weights' rounding is fp16's
+
+
+def test_choose_draft_format_follows_the_flag_and_the_model_dtype() -> None:
+    from sglang_vericache.srt.draft_precision import (
+        ShadowFormat,
+        choose_draft_format,
+        packed_fp16_available,
+        shadow_speedup,
+    )
 
     cpu = torch.device("cpu")
-    assert choose_draft_dtype("model", torch.float32, cpu, 64) is None
-    assert choose_draft_dtype("bfloat16", torch.float32, cpu, 64) is torch.bfloat16
-    assert choose_draft_dtype("float16", torch.float32, cpu, 64) is torch.float16
-    assert choose_draft_dtype("bfloat16", torch.bfloat16, cpu, 64) is None  # nothing to shadow
-    assert choose_draft_dtype("auto", torch.bfloat16, cpu, 64) is None
-    assert choose_draft_dtype("auto", torch.float32, cpu, 64) in (None, torch.bfloat16)
-    assert matmul_speedup(torch.float32, torch.float32, cpu, 64) > 0
+    packed = packed_fp16_available(cpu)
+    assert choose_draft_format("model", torch.float32, cpu, 64) is None
+    assert choose_draft_format("bfloat16", torch.float32, cpu, 64) == ShadowFormat(torch.bfloat16)
+    assert choose_draft_format("float16", torch.float32, cpu, 64) == ShadowFormat(torch.float16,
+                                                                                 packed)
+    assert choose_draft_format("bfloat16", torch.bfloat16, cpu, 64) is None  # nothing to shadow
+    assert choose_draft_format("auto", torch.bfloat16, cpu, 64) is None
+    auto = choose_draft_format("auto", torch.float32, cpu, 64)
+    assert auto in (None, ShadowFormat(torch.bfloat16), ShadowFormat(torch.float16, packed=True))
+    assert shadow_speedup(ShadowFormat(torch.bfloat16), torch.float32, cpu, 64) > 0
+    with pytest.raises(ValueError, match="packed shadows are float16"):
+        ShadowFormat(torch.bfloat16, packed=True)
 
 
 def test_the_flag_parses_round_trips_and_names_itself_when_wrong() -> None:

@@ -4,16 +4,28 @@ A draft only proposes tokens. The verify recomputes every position it commits ov
 with the model's own weights, and overwrites the pool slots a draft forward wrote (positions
 base .. base + x are the verify's own), so a draft may run in any precision: a lower one costs
 acceptance only where it flips a draft's argmax, never exactness. Where the model runs in fp32
-on a CPU, a draft forward over a 4x-compressed view is bound by reading the weights (about 4
-bytes a parameter a forward; SmolLM2 at 8 rows: 80 ms of linears + 25 ms of LM head, against
-29 + 7 ms in bf16 on a CPU with AVX512-BF16), so the draft forward gets cheaper by what the
-weights cost less to read. On an accelerator serving a bf16 model there is nothing to shadow.
+on a CPU, a draft forward over a 4x-compressed view is bound by reading the weights (4 bytes a
+parameter a forward), so it gets cheaper by what the weights cost less to read. On an
+accelerator serving a bf16 model there is nothing to shadow.
+
+Two shadow formats (``ShadowFormat``):
+
+- a cast copy (bfloat16, or float16 off x86): the activations are cast to it and the product
+  back. Fast only where the CPU multiplies in that dtype: with AVX512-BF16, SmolLM2's linears at
+  8 rows took 29 + 7 ms (LM head) against 80 + 25 in fp32; with AVX2 only, bf16 ran at
+  0.61-0.72x fp32's speed.
+- fp16 weights packed for fbgemm's GEMM (x86 CPUs): the activations and the arithmetic stay
+  fp32, the weights are read at 2 bytes and widened in registers. On an AVX2-only EPYC the
+  model's linears and LM head at 8 rows took 22 ms against 62-72 in fp32 (51 against 91-114 at
+  26), and fp16-rounded weights changed 0.13% of SmolLM2's argmax tokens over 3k positions
+  (int8 with dynamically quantized activations, 4x faster still, changed 44%: not offered).
 
 ``DraftPrecision.install`` gives each unquantized linear layer a ``ShadowLinearMethod`` (its
 quant method, wrapped: outside drafting it calls the layer's own method, so every non-draft
 forward computes what it computed before, bit for bit) and the model a ``ShadowLogits`` (the
-LM head likewise). ``drafting(precision)`` switches both to the shadow weights for the draft forwards.
-``choose_draft_dtype`` decides whether to install, from a matmul timed on the serving device.
+LM head likewise). ``drafting(precision)`` switches both to the shadow weights for the draft
+forwards. ``choose_draft_format`` decides what to install, from a matmul timed on the serving
+device.
 """
 
 from __future__ import annotations
@@ -31,9 +43,71 @@ from torch import Tensor, nn
 
 logger = logging.getLogger(__name__)
 
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 MIN_SPEEDUP = 1.25  # ``auto`` shadows only where the timed matmul gains at least this
 TIMED_ROWS = 8  # a draft forward's rows in the timed matmul (a decode batch, not a prefill)
+
+
+@dataclass(frozen=True, slots=True)
+class ShadowFormat:
+    """How the shadow weights are held: ``dtype`` per element; ``packed``: fbgemm's packed fp16
+    GEMM (fp32 activations and arithmetic; x86 CPUs), else a cast copy."""
+
+    dtype: torch.dtype
+    packed: bool = False
+
+    def __post_init__(self) -> None:
+        if self.packed and self.dtype != torch.float16:
+            raise ValueError(f"packed shadows are float16, not {self.dtype}")
+
+    def __str__(self) -> str:
+        name = str(self.dtype).removeprefix("torch.")
+        return f"{name} (packed for fbgemm, fp32 arithmetic)" if self.packed else name
+
+
+def packed_fp16_available(device: torch.device) -> bool:
+    """fbgemm's packed fp16 GEMM runs here (an x86 CPU with torch's fbgemm build)."""
+    engines = torch.backends.quantized.supported_engines
+    return device.type == "cpu" and ("fbgemm" in engines or "x86" in engines)
+
+
+class CastShadow:
+    """weight [out, in] and bias [out] cast to ``dtype``; x is cast to it, the product back."""
+
+    def __init__(self, weight: Tensor, bias: Tensor | None, dtype: torch.dtype) -> None:
+        self.weight = weight.detach().to(dtype).contiguous()
+        self.bias = None if bias is None else bias.detach().to(dtype)
+        self.nbytes = sum(t.numel() * t.element_size() for t in (self.weight, self.bias)
+                          if t is not None)  # fmt: skip
+
+    def linear(self, x: Tensor, with_bias: bool) -> Tensor:
+        """x [..., in] -> [..., out] in x's dtype."""
+        bias = self.bias if with_bias else None
+        return F.linear(x.to(self.weight.dtype), self.weight, bias).to(x.dtype)
+
+
+class PackedFp16Shadow:
+    """weight [out, in] in fp16, packed for fbgemm; bias [out] kept fp32 and added apart (a
+    layer may skip its bias add)."""
+
+    def __init__(self, weight: Tensor, bias: Tensor | None) -> None:
+        w = weight.detach().float().contiguous()
+        self.packed = torch.ops.quantized.linear_prepack_fp16(w, None)
+        self.bias = None if bias is None else bias.detach().float()
+        self.nbytes = 2 * w.numel() + (0 if self.bias is None else 4 * self.bias.numel())
+
+    def linear(self, x: Tensor, with_bias: bool) -> Tensor:
+        """x [..., in] -> [..., out] in x's dtype (fp32 arithmetic)."""
+        out = torch.ops.quantized.linear_dynamic_fp16(x.float(), self.packed)
+        if with_bias and self.bias is not None:
+            out = out + self.bias
+        return out.to(x.dtype)
+
+
+Shadow = CastShadow | PackedFp16Shadow
+
+
+def make_shadow(fmt: ShadowFormat, weight: Tensor, bias: Tensor | None = None) -> Shadow:
+    return PackedFp16Shadow(weight, bias) if fmt.packed else CastShadow(weight, bias, fmt.dtype)
 
 
 @dataclass(slots=True)
@@ -44,29 +118,42 @@ class DraftSwitch:
 
 
 class ShadowLinearMethod:
-    """A linear layer's quant method that multiplies by a shadow copy of the weight while
-    drafting; otherwise the layer's own method (``inner``), unchanged."""
+    """A linear layer's quant method that multiplies by a shadow of the weight while drafting;
+    otherwise the layer's own method (``inner``), unchanged."""
 
-    def __init__(self, inner: Any, weight: Tensor, bias: Tensor | None,
-                 switch: DraftSwitch) -> None:  # fmt: skip
-        self.inner, self.weight, self.bias, self.switch = inner, weight, bias, switch
+    def __init__(self, inner: Any, shadow: Shadow, switch: DraftSwitch) -> None:
+        self.inner, self.shadow, self.switch = inner, shadow, switch
 
     def apply(self, layer: nn.Module, x: Tensor, bias: Tensor | None = None) -> Tensor:
         if not self.switch.active:
             return self.inner.apply(layer, x, bias)
-        shadow_bias = None if bias is None else self.bias
-        return F.linear(x.to(self.weight.dtype), self.weight, shadow_bias).to(x.dtype)
+        return self.shadow.linear(x, with_bias=bias is not None)
 
     def __getattr__(self, name: str) -> Any:  # everything else is the layer's own method's
         return getattr(self.inner, name)
 
 
-class _ShadowHead(nn.Module):
-    """What the logits processor reads of an LM head: its ``weight`` (here, the shadow)."""
+class ShadowHeadMethod:
+    """The shadow LM head's quant method: SGLang's logits processor multiplies through a head's
+    ``quant_method.apply`` when its type is not one of the unquantized ones."""
 
-    def __init__(self, weight: Tensor) -> None:
+    def __init__(self, shadow: Shadow) -> None:
+        self.shadow = shadow
+
+    def apply(self, layer: nn.Module, x: Tensor, bias: Tensor | None = None) -> Tensor:
+        out = self.shadow.linear(x, with_bias=False)
+        return out if bias is None else out + bias  # an embedding bias, if the model has one
+
+
+class _ShadowHead(nn.Module):
+    """What the logits processor reads of an LM head while drafting: ``quant_method`` computes
+    the product from the shadow; ``weight`` is the model's own (SGLang's checks read its shape
+    and dtype; no copy)."""
+
+    def __init__(self, weight: Tensor, shadow: Shadow) -> None:
         super().__init__()
-        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.weight = weight
+        self.quant_method = ShadowHeadMethod(shadow)
 
 
 class ShadowLogits(nn.Module):
@@ -89,14 +176,14 @@ class ShadowLogits(nn.Module):
 
 
 class DraftPrecision:
-    """Shadow weights of one model in ``dtype`` and the switch that selects them.
+    """Shadow weights of one model in ``format`` and the switch that selects them.
 
     Mutates the model once (``install``: quant methods and the logits processor replaced by
     wrappers); afterwards only ``switch`` changes, on the scheduler thread, around draft
     forwards. ``nbytes``: what the shadows hold (outside the KV pool, like the weights)."""
 
-    def __init__(self, dtype: torch.dtype) -> None:
-        self.dtype = dtype
+    def __init__(self, fmt: ShadowFormat) -> None:
+        self.format = fmt
         self.switch = DraftSwitch()
         self.layers = 0
         self.nbytes = 0
@@ -110,25 +197,27 @@ class DraftPrecision:
             weight = getattr(module, "weight", None)
             if type(method).__name__ != "UnquantizedLinearMethod" or not isinstance(weight, Tensor):
                 continue
-            if weight.dtype == self.dtype or not weight.is_floating_point():
+            if not self._shadows(weight):
                 continue
             bias = getattr(module, "bias", None)
-            shadow_bias = bias.detach().to(self.dtype) if isinstance(bias, Tensor) else None
-            module.quant_method = ShadowLinearMethod(method, self._shadow(weight), shadow_bias,
-                                                     self.switch)  # fmt: skip
+            shadow = self._shadow(weight, bias if isinstance(bias, Tensor) else None)
+            module.quant_method = ShadowLinearMethod(method, shadow, self.switch)
             self.layers += 1
         head = getattr(model, "lm_head", None)
         logits = getattr(model, "logits_processor", None)
-        if isinstance(getattr(head, "weight", None), Tensor) and isinstance(logits, nn.Module):
-            model_dtype = head.weight.dtype
-            model.logits_processor = ShadowLogits(logits, _ShadowHead(self._shadow(head.weight)),
-                                                  self.switch, model_dtype)  # fmt: skip
+        weight = getattr(head, "weight", None)
+        if isinstance(weight, Tensor) and isinstance(logits, nn.Module) and self._shadows(weight):
+            model.logits_processor = ShadowLogits(logits, _ShadowHead(weight, self._shadow(weight)),
+                                                  self.switch, weight.dtype)  # fmt: skip
             self.layers += 1
         return self
 
-    def _shadow(self, weight: Tensor) -> Tensor:
-        shadow = weight.detach().to(self.dtype).contiguous()
-        self.nbytes += shadow.numel() * shadow.element_size()
+    def _shadows(self, weight: Tensor) -> bool:
+        return weight.is_floating_point() and weight.dtype != self.format.dtype
+
+    def _shadow(self, weight: Tensor, bias: Tensor | None = None) -> Shadow:
+        shadow = make_shadow(self.format, weight, bias)
+        self.nbytes += shadow.nbytes
         return shadow
 
 
@@ -145,43 +234,53 @@ def drafting(precision: DraftPrecision | None) -> Iterator[None]:
         precision.switch.active = False
 
 
-def matmul_speedup(dtype: torch.dtype, model_dtype: torch.dtype, device: torch.device,
+def shadow_speedup(fmt: ShadowFormat, model_dtype: torch.dtype, device: torch.device,
                    features: int, repeats: int = 5) -> float:  # fmt: skip
     """How much faster a draft-sized matmul (``TIMED_ROWS`` x ``features`` by a
-    ``4 * features`` x ``features`` weight, an MLP projection) runs in ``dtype`` than in
+    ``4 * features`` x ``features`` weight, an MLP projection) runs on a ``fmt`` shadow than in
     ``model_dtype`` on ``device``: the best of ``repeats`` each."""
-    def best(dt: torch.dtype) -> float:
-        w = torch.randn(4 * features, features, device=device).to(dt)
-        x = torch.randn(TIMED_ROWS, features, device=device).to(dt)
+    w = torch.randn(4 * features, features, device=device).to(model_dtype)
+    x = torch.randn(TIMED_ROWS, features, device=device).to(model_dtype)
+    shadow = make_shadow(fmt, w)
+
+    def best(run) -> float:
         times = []
         for _ in range(repeats + 1):  # the first call warms the kernel up
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             started = time.perf_counter()
-            F.linear(x, w)
+            run()
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             times.append(time.perf_counter() - started)
         return min(times[1:])
 
-    return best(model_dtype) / max(best(dtype), 1e-9)
+    return best(lambda: F.linear(x, w)) / max(best(lambda: shadow.linear(x, False)), 1e-9)
 
 
-def choose_draft_dtype(setting: str, model_dtype: torch.dtype, device: torch.device,
-                       features: int) -> torch.dtype | None:  # fmt: skip
-    """The shadow dtype for ``--vericache-draft-dtype`` (None: draft in the model's weights).
+def choose_draft_format(setting: str, model_dtype: torch.dtype, device: torch.device,
+                        features: int) -> ShadowFormat | None:  # fmt: skip
+    """The shadow format for ``--vericache-draft-dtype`` (None: draft in the model's weights).
 
-    ``model``: never. ``bfloat16`` / ``float16``: that dtype unless the model already runs in
-    it. ``auto``: bfloat16 where the model runs in fp32 and a draft-sized matmul is at least
-    ``MIN_SPEEDUP`` times faster in it on this device (a CPU without bf16 instructions is not).
+    ``model``: never. ``bfloat16``: a cast copy. ``float16``: packed for fbgemm where it runs
+    (``packed_fp16_available``), else a cast copy. Neither where the model already runs in that
+    dtype. ``auto``: where the model runs in fp32, the candidate whose draft-sized matmul is
+    fastest on this device, if at least ``MIN_SPEEDUP`` times fp32's (packed fp16 where fbgemm
+    runs, and bfloat16: a CPU without bf16 instructions gains nothing from it).
     """
     if setting == "model":
         return None
     if setting != "auto":
-        dtype = DTYPES[setting]
-        return None if dtype == model_dtype else dtype
+        dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}[setting]
+        packed = dtype == torch.float16 and packed_fp16_available(device)
+        return None if dtype == model_dtype else ShadowFormat(dtype, packed)
     if model_dtype != torch.float32:
         return None
-    speedup = matmul_speedup(torch.bfloat16, model_dtype, device, features)
-    logger.info("draft precision: a draft-sized bf16 matmul is %.2fx fp32's here", speedup)
-    return torch.bfloat16 if speedup >= MIN_SPEEDUP else None
+    candidates = [ShadowFormat(torch.bfloat16)]
+    if packed_fp16_available(device):
+        candidates.insert(0, ShadowFormat(torch.float16, packed=True))
+    speedups = {fmt: shadow_speedup(fmt, model_dtype, device, features) for fmt in candidates}
+    logger.info("draft precision: a draft-sized matmul against fp32's here: %s",
+                ", ".join(f"{fmt} {s:.2f}x" for fmt, s in speedups.items()))  # fmt: skip
+    fmt, speedup = max(speedups.items(), key=lambda item: item[1])
+    return fmt if speedup >= MIN_SPEEDUP else None

@@ -56,7 +56,7 @@ from sglang_vericache.srt.batch_inputs import (
 from sglang_vericache.srt.decode_steps import DecodeSteps
 from sglang_vericache.srt.draft_ahead import DraftAhead, draft_ahead_of
 from sglang_vericache.srt.draft_length import DraftLengthController
-from sglang_vericache.srt.draft_precision import DraftPrecision, choose_draft_dtype
+from sglang_vericache.srt.draft_precision import DraftPrecision, choose_draft_format
 from sglang_vericache.srt.draft_state import RequestDraftState
 from sglang_vericache.srt.eligibility import (
     decode_mode,
@@ -113,7 +113,7 @@ class VeriCacheWorker(DecodeSteps, BaseSpecWorker):
             "VeriCache worker: compressor %s, verify width %d, draft weights in %s",
             self.compressor.spec, self.speculative_num_draft_tokens,
             "the model's dtype" if self.precision is None else (
-                f"{self.precision.dtype} ({self.precision.layers} layers shadowed, "
+                f"{self.precision.format} ({self.precision.layers} layers shadowed, "
                 f"{self.precision.nbytes / 2**20:.0f} MiB)"),
         )  # fmt: skip
 
@@ -123,9 +123,9 @@ class VeriCacheWorker(DecodeSteps, BaseSpecWorker):
         if self.offload_only:
             return None
         config = self.model_runner.model_config
-        dtype = choose_draft_dtype(self.config.draft_dtype, config.dtype, torch.device(self.device),
-                                   config.hidden_size)  # fmt: skip
-        return None if dtype is None else DraftPrecision(dtype).install(self.model_runner.model)
+        fmt = choose_draft_format(self.config.draft_dtype, config.dtype, torch.device(self.device),
+                                  config.hidden_size)  # fmt: skip
+        return None if fmt is None else DraftPrecision(fmt).install(self.model_runner.model)
 
     @property
     def attn(self) -> VeriCacheAttnBackend:
