@@ -145,15 +145,14 @@ class ShadowHeadMethod:
         return out if bias is None else out + bias  # an embedding bias, if the model has one
 
 
-class _ShadowHead(nn.Module):
+@dataclass(frozen=True, slots=True)
+class _ShadowHead:
     """What the logits processor reads of an LM head while drafting: ``quant_method`` computes
     the product from the shadow; ``weight`` is the model's own (SGLang's checks read its shape
-    and dtype; no copy)."""
+    and dtype; no copy, and not a module, so the model gains no parameter)."""
 
-    def __init__(self, weight: Tensor, shadow: Shadow) -> None:
-        super().__init__()
-        self.weight = weight
-        self.quant_method = ShadowHeadMethod(shadow)
+    weight: Tensor
+    quant_method: ShadowHeadMethod
 
 
 class ShadowLogits(nn.Module):
@@ -207,7 +206,8 @@ class DraftPrecision:
         logits = getattr(model, "logits_processor", None)
         weight = getattr(head, "weight", None)
         if isinstance(weight, Tensor) and isinstance(logits, nn.Module) and self._shadows(weight):
-            model.logits_processor = ShadowLogits(logits, _ShadowHead(weight, self._shadow(weight)),
+            head_method = ShadowHeadMethod(self._shadow(weight))
+            model.logits_processor = ShadowLogits(logits, _ShadowHead(weight, head_method),
                                                   self.switch, weight.dtype)  # fmt: skip
             self.layers += 1
         return self
