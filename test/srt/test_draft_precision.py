@@ -108,11 +108,16 @@ def test_layers_already_in_the_draft_dtype_are_not_copied() -> None:
     assert type(model.up.quant_method).__name__ == "UnquantizedLinearMethod"
 
 
-@pytest.mark.skipif(not torch.backends.quantized.supported_engines.count("fbgemm")
-                    and not torch.backends.quantized.supported_engines.count("x86"),
-                    reason="fbgemm's packed fp16 GEMM is x86 only")  # fmt: skip
 def test_packed_fp16_shadows_compute_in_fp32_over_fp16_rounded_weights() -> None:
-    from sglang_vericache.srt.draft_precision import DraftPrecision, ShadowFormat, drafting
+    from sglang_vericache.srt.draft_precision import (
+        DraftPrecision,
+        ShadowFormat,
+        drafting,
+        packed_fp16_available,
+    )
+
+    if not packed_fp16_available(torch.device("cpu")):
+        pytest.skip("fbgemm's packed fp16 GEMM is x86 only")
 
     model = TinyCausalLM()
     x = torch.randn(8, 32)

@@ -13,12 +13,13 @@ Two shadow formats (``ShadowFormat``):
 - a cast copy (bfloat16, or float16 off x86): the activations are cast to it and the product
   back. Fast only where the CPU multiplies in that dtype: with AVX512-BF16, SmolLM2's linears at
   8 rows took 29 + 7 ms (LM head) against 80 + 25 in fp32; with AVX2 only, bf16 ran at
-  0.61-0.72x fp32's speed.
+  0.31-0.72x fp32's speed.
 - fp16 weights packed for fbgemm's GEMM (x86 CPUs): the activations and the arithmetic stay
   fp32, the weights are read at 2 bytes and widened in registers. On an AVX2-only EPYC the
   model's linears and LM head at 8 rows took 22 ms against 62-72 in fp32 (51 against 91-114 at
   26), and fp16-rounded weights changed 0.13% of SmolLM2's argmax tokens over 3k positions
-  (int8 with dynamically quantized activations, 4x faster still, changed 44%: not offered).
+  (int8 with dynamically quantized activations, 4x faster still, changed 44-49%: not
+  offered).
 
 ``DraftPrecision.install`` gives each unquantized linear layer a ``ShadowLinearMethod`` (its
 quant method, wrapped: outside drafting it calls the layer's own method, so every non-draft
