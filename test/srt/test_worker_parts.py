@@ -177,11 +177,14 @@ def _reference_draft_attention(q, state, pool, layer, chain):
 
 @pytest.mark.parametrize("spec", ["snapkv:ratio=0.5", "kivi:bits=4",
                                   "pyramid(snapkv:ratio=0.5):beta=2", "full"])  # fmt: skip
-def test_draft_plan_equals_attention_over_view_and_chain(pool, spec: str) -> None:
+@pytest.mark.parametrize("batched", [False, True], ids=["sdpa-per-row", "cpu-kernel"])
+def test_draft_plan_equals_attention_over_view_and_chain(pool, spec: str, batched: bool) -> None:
     """Each row gets what attending over its own compressed view + draft chain gives; a row
     without a state attends over its chain only. Droppers attend in place (nothing copied, the
     chain written after the view leaves the view as it was); a quantized body is copied one
-    row and layer at a time."""
+    layer of the batch at a time. The same with one SDPA call per row and with the batched CPU
+    kernel."""
+    from sglang_vericache.ops.cpu_draft_decode import load_cpu_draft_decode
     from sglang_vericache.srt.draft_attention import DraftPlan
     from sglang_vericache.srt.draft_state import RequestDraftState
 
@@ -194,7 +197,9 @@ def test_draft_plan_equals_attention_over_view_and_chain(pool, spec: str) -> Non
         states[-1].append(reader(pool), torch.arange(120, 123), [None] * LAYERS)  # a window
     states.append(None)  # rides along
     before = [[v[0].clone() for v in s.views()] for s in states[:2]]
-    plan = DraftPlan([T + 3, T // 2 + 3, 5], states, drafts=3)
+    kernel = load_cpu_draft_decode() if batched else None
+    assert kernel is not None or not batched, "the CPU draft-attention kernel did not build"
+    plan = DraftPlan([T + 3, T // 2 + 3, 5], states, drafts=3, kernel=kernel)
     q = torch.randn(3, H_Q, D)
     for n_chain in (1, 2, 3):  # the chain grows by one per draft forward
         chains = [torch.arange(150 + 10 * i, 150 + 10 * i + n_chain) for i in range(3)]

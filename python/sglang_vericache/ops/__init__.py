@@ -7,6 +7,7 @@
 - triton/            the Triton kernels (imported lazily; Triton is optional on CPU)
 - dropped_decode.py  drafting over kept-token pages: FlashInfer on CUDA, torch otherwise
 - prefetch.py        FullKVPrefetcher: async pinned host -> device full-KV copies (submit/poll)
+- cpu_draft_decode.py  batched draft attention on CPU (C++ in csrc/, built on first use)
 """
 
 from sglang_vericache.ops.dropped_decode import (

@@ -10,9 +10,13 @@ room and attends over the buffer's head, so the view is never copied::
 
 Queries sit at their true positions (keys are post-RoPE, so a view's gaps do not matter). A
 quantized body has no such buffer: its view is dequantized and concatenated with the chain for
-one row and one layer at a time, the only transient tensors drafting builds outside the pool
+one layer of the batch at a time, the only transient tensors drafting builds outside the pool
 (``transient_bytes``). A row without a compressed state rides along in the forward, attending
 over its own chain only; its drafts are never verified.
+
+On a CPU with float32 views the rows of a layer attend in one call of a batched kernel
+(``ops/cpu_draft_decode.py``: one parallel region, each view read in place); elsewhere, or
+where that kernel could not be built, one SDPA call per row.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ import torch
 from torch import Tensor
 from torch.nn.functional import scaled_dot_product_attention
 
+from sglang_vericache.ops.cpu_draft_decode import CpuDraftDecode
+
 
 @dataclass(slots=True)
 class DraftPlan:
@@ -34,13 +40,15 @@ class DraftPlan:
         row that rides along without drafting.
     drafts: draft forwards the step runs (the chain grows to this many tokens).
     view_lens[layer][i]: T_view of row i's cache of ``layer`` (0 for a row riding along).
-    transient_bytes: the largest view + chain a forward copied for one row and layer (0 when
-        every drafted row attends in place).
+    kernel: the batched CPU kernel (None: one SDPA call per row and layer).
+    transient_bytes: the most bytes of view + chain a forward copied at one layer, over all its
+        rows (0 when every drafted row attends in place): at most one layer's view of the batch.
     """
 
     base_lens: list[int]
     states: Sequence[Any | None]
     drafts: int
+    kernel: CpuDraftDecode | None = None
     view_lens: list[list[int]] = field(init=False)
     transient_bytes: int = field(default=0, init=False)
 
@@ -60,11 +68,12 @@ class DraftPlan:
         return self.view_lens[0] if self.view_lens else [0] * len(self.states)
 
     def _row_kv(self, i: int, layer_id: int, chain_k: Tensor, chain_v: Tensor
-                ) -> tuple[Tensor, Tensor]:  # fmt: skip
-        """Row i's keys and values, view then chain, each [H_kv, view_len + n_chain, D]."""
+                ) -> tuple[Tensor, Tensor, int]:  # fmt: skip
+        """Row i's keys and values, view then chain, each [H_kv, view_len + n_chain, D], and the
+        bytes copied to make them (0 where read in place)."""
         state, n = self.states[i], chain_k.shape[1]
-        if state is None:
-            return chain_k, chain_v
+        if state is None:  # a few tokens: made contiguous, as the batched kernel reads them
+            return chain_k.contiguous(), chain_v.contiguous(), 0
         cache = state.layers[layer_id]
         at = self.view_lens[layer_id][i]
         buffers = cache.draft_buffer(self.drafts)
@@ -72,11 +81,10 @@ class DraftPlan:
             keys, values = buffers
             keys[:, at : at + n] = chain_k  # scratch after the view: not part of it
             values[:, at : at + n] = chain_v
-            return keys[:, : at + n], values[:, : at + n]
+            return keys[:, : at + n], values[:, : at + n], 0
         (bk, bv), (wk, wv) = cache.view_parts()
         keys, values = torch.cat([bk, wk, chain_k], dim=1), torch.cat([bv, wv, chain_v], dim=1)
-        self.transient_bytes = max(self.transient_bytes, 2 * keys.numel() * keys.element_size())
-        return keys, values
+        return keys, values, 2 * keys.numel() * keys.element_size()
 
     def attend(self, q: Tensor, layer_id: int, key_buffer: Tensor, value_buffer: Tensor,
                chain_slots: Sequence[Tensor], scale: float) -> Tensor:  # fmt: skip
@@ -87,15 +95,19 @@ class DraftPlan:
         base_i .. seq_len_i - 1 (this step's drafts so far, the current one included).
         Returns [B, H_q, D_v].
         """
+        rows = [self._row_kv(i, layer_id, key_buffer[slots].transpose(0, 1),
+                             value_buffer[slots].transpose(0, 1))
+                for i, slots in enumerate(chain_slots)]  # fmt: skip
+        keys, values = [k for k, _, _ in rows], [v for _, v, _ in rows]
+        self.transient_bytes = max(self.transient_bytes, sum(copied for _, _, copied in rows))
+        if self.kernel is not None and self.kernel.accepts(q, keys, values):
+            return self.kernel(q, keys, values, scale)
         out = q.new_empty((q.shape[0], q.shape[1], value_buffer.shape[-1]))
         gqa = q.shape[1] != key_buffer.shape[1]
-        for i, slots in enumerate(chain_slots):
-            chain_k = key_buffer[slots].transpose(0, 1)
-            chain_v = value_buffer[slots].transpose(0, 1)
-            keys, values = self._row_kv(i, layer_id, chain_k, chain_v)
+        for i, (k, v) in enumerate(zip(keys, values)):
             o = scaled_dot_product_attention(
-                q[i, :, None].unsqueeze(0), keys.unsqueeze(0).to(q.dtype),
-                values.unsqueeze(0).to(q.dtype), scale=scale, enable_gqa=gqa,
+                q[i, :, None].unsqueeze(0), k.unsqueeze(0).to(q.dtype),
+                v.unsqueeze(0).to(q.dtype), scale=scale, enable_gqa=gqa,
             )  # fmt: skip
             out[i] = o[0, :, 0]
         return out

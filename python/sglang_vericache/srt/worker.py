@@ -49,6 +49,7 @@ from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
 
 from sglang_vericache.compress import build_compressor
 from sglang_vericache.config import Placement
+from sglang_vericache.ops.cpu_draft_decode import load_cpu_draft_decode
 from sglang_vericache.srt.attention import QueryCapture, VeriCacheAttnBackend
 from sglang_vericache.srt.batch_inputs import (
     spec_result,
@@ -109,12 +110,18 @@ class VeriCacheWorker(DecodeSteps, BaseSpecWorker):
         if server_args.enable_metrics:
             self.metrics = VeriCacheExporter(server_args.served_model_name or "default")
         self.precision = self._draft_precision()
+        # one batched attention call per layer of a draft forward (built here, not mid-step)
+        self.draft_kernel = None
+        if not self.offload_only and torch.device(self.device).type == "cpu":
+            self.draft_kernel = load_cpu_draft_decode()
         logger.info(
-            "VeriCache worker: compressor %s, verify width %d, draft weights in %s",
+            "VeriCache worker: compressor %s, verify width %d, draft weights in %s, draft "
+            "attention %s",
             self.compressor.spec, self.speculative_num_draft_tokens,
             "the model's dtype" if self.precision is None else (
                 f"{self.precision.format} ({self.precision.layers} layers shadowed, "
                 f"{self.precision.nbytes / 2**20:.0f} MiB)"),
+            "batched (CPU kernel)" if self.draft_kernel is not None else "per row (SDPA)",
         )  # fmt: skip
 
     def _draft_precision(self) -> DraftPrecision | None:
