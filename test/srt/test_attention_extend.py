@@ -91,3 +91,37 @@ def test_a_batch_of_fresh_prompts_keeps_torch_natives_path() -> None:
     layer.sliding_window_size = 16  # a sliding-window layer keeps it too
     batch.extend_prefix_lens_cpu = list(PREFIX)
     assert not attention._extends_a_prefix(layer, batch)
+
+
+def test_a_verify_attends_causally_and_builds_each_rows_mask_once_per_forward() -> None:
+    """Each row's W draft queries attend over [0, base + W) causally, as the reference does; the
+    next layer of the same forward reuses the row's mask, and a new forward builds its own."""
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    from sglang_vericache.compress.attend import attend
+
+    backend, layer, batch, _, (kv, rows, _) = _setup()
+    w = 3
+    seq = [p + n for p, n in zip(PREFIX, NEW)]
+    for bases in ([s - w for s in seq], [s - w - 2 for s in seq]):  # two verifies
+        fb = SimpleNamespace(**{**vars(batch), "forward_mode": ForwardMode.TARGET_VERIFY,
+                                "spec_info": SimpleNamespace(draft_token_num=w),
+                                "seq_lens_cpu": torch.tensor(bases)})  # fmt: skip
+        q = torch.randn(len(bases) * w, H_Q * D)
+        first = backend.forward_extend(q, None, None, layer, fb, save_kv_cache=False)
+        owner, masks = backend._verify_masks
+        kept = dict(masks)
+        assert owner is fb and len(kept) == len(bases)
+        again = backend.forward_extend(q, None, None, layer, fb, save_kv_cache=False)
+        assert torch.equal(first, again)  # the next layer: the same masks, not rebuilt
+        assert all(backend._verify_masks[1][key] is mask for key, mask in kept.items())
+        for i, base in enumerate(bases):
+            end = base + w
+            slots = rows.req_to_token[i, :end].long()
+            keys = kv.get_key_buffer(0)[slots].transpose(0, 1)
+            values = kv.get_value_buffer(0)[slots].transpose(0, 1)
+            qi = q[i * w : (i + 1) * w].view(w, H_Q, D).transpose(0, 1)
+            want = attend(qi, torch.arange(base, end), keys, values,
+                          torch.arange(end).expand(H_KV, -1), layer.scaling)  # fmt: skip
+            got = first[i * w : (i + 1) * w].view(w, H_Q, D).transpose(0, 1)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

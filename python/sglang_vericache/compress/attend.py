@@ -50,14 +50,20 @@ def grouped_sdpa(q: Tensor, keys: Tensor, values: Tensor, scale: float,
 
     q: [H_q, n, D]; keys, values: [H_kv, T, D] in q's dtype (any strides with a contiguous
     last dim; the caller converts once, not per query block); mask: [n, T] bool, True where
-    a query may attend, or None. Returns [H_q, n, D_v].
+    a query may attend, or already grouped ([g * n, T], ``group_mask``: a caller whose layers
+    share one mask groups it once), or None. Returns [H_q, n, D_v].
     """
     h_q, n, d = q.shape
     h_kv = keys.shape[0]
     g = h_q // h_kv
     grouped = q.reshape(h_kv, g * n, d)
-    if mask is not None and g > 1:
-        mask = mask.repeat(g, 1)
+    if mask is not None and mask.shape[0] != g * n:
+        mask = group_mask(mask, g)
     out = scaled_dot_product_attention(grouped.unsqueeze(0), keys.unsqueeze(0),
                                        values.unsqueeze(0), attn_mask=mask, scale=scale)
     return out[0].view(h_q, n, values.shape[-1])
+
+
+def group_mask(mask: Tensor, group: int) -> Tensor:
+    """mask [n, T] -> [group * n, T], the rows ``grouped_sdpa`` gives each query head group."""
+    return mask.repeat(group, 1) if group > 1 else mask

@@ -38,7 +38,7 @@ from sglang.srt.layers.radix_attention import AttentionType
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 from torch.nn.functional import scaled_dot_product_attention
 
-from sglang_vericache.compress.attend import grouped_sdpa
+from sglang_vericache.compress.attend import group_mask, grouped_sdpa
 from sglang_vericache.srt.draft_attention import DraftPlan
 from sglang_vericache.srt.offload import ledger_for
 from sglang_vericache.verify.step_profile import StepClock
@@ -88,6 +88,9 @@ class VeriCacheAttnBackend(TorchNativeAttnBackend):
         self.capture: QueryCapture | None = None
         self.clock: StepClock | None = None  # the worker's profile of the current decode step
         self.ledger = ledger_for(self.req_to_token_pool)
+        # a verify's causal masks, built at its first layer and shared by the others
+        self._verify_masks: tuple[ForwardBatch | None, dict[tuple[int, ...], torch.Tensor]] = (
+            None, {})  # fmt: skip
 
     def _write_kv(self, layer, fb, k, v, save_kv_cache: bool) -> None:
         if save_kv_cache and k is not None and v is not None:
@@ -106,7 +109,8 @@ class VeriCacheAttnBackend(TorchNativeAttnBackend):
             n_tok = fb.spec_info.draft_token_num  # seq_lens are the committed KV: drafts follow
             new = [n_tok] * len(fb.seq_lens_cpu)
             ends = [base + n_tok for base in fb.seq_lens_cpu.tolist()]
-            out = self._attend_new_tokens(q3, k, v, layer, fb, new, ends, save_kv_cache)
+            out = self._attend_new_tokens(q3, k, v, layer, fb, new, ends, save_kv_cache,
+                                          shared_masks=True)  # fmt: skip
         elif _extends_a_prefix(layer, fb):  # seq_lens include the extended tokens
             new = list(fb.extend_seq_lens_cpu)
             ends = fb.seq_lens_cpu.tolist()
@@ -119,7 +123,8 @@ class VeriCacheAttnBackend(TorchNativeAttnBackend):
         return out
 
     def _attend_new_tokens(self, q3, k, v, layer: RadixAttention, fb: ForwardBatch,
-                           new: list[int], ends: list[int], save_kv_cache: bool):  # fmt: skip
+                           new: list[int], ends: list[int], save_kv_cache: bool,
+                           shared_masks: bool = False):  # fmt: skip
         """Causal attention of each request's ``new[i]`` last positions over its full KV: row i's
         queries are positions [end - new[i], end) (end = ``ends[i]``) and attend over [0, end),
         read through the offload ledger (host ranges included)::
@@ -128,9 +133,12 @@ class VeriCacheAttnBackend(TorchNativeAttnBackend):
             query j   sees every key <= its position  | (causal within the new tokens)
 
         q3: [sum(new), H_q, D]; returns [sum(new), H_q * D_v]. Queries go in blocks of at most
-        ``QUERY_BLOCK`` so the mask stays small at long contexts."""
+        ``QUERY_BLOCK`` so the mask stays small at long contexts. ``shared_masks``: keep each
+        row's mask for the forward's other layers (a verify's few queries per row; a long
+        prefix extend's masks would be large, and its attention dwarfs building them)."""
         self._write_kv(layer, fb, k, v, save_kv_cache)
         out = q3.new_empty((q3.shape[0], layer.tp_q_head_num, layer.v_head_dim))
+        group = layer.tp_q_head_num // layer.tp_k_head_num
         start = 0
         for i, end in enumerate(ends):
             n, row = new[i], int(fb.req_pool_indices[i])
@@ -138,15 +146,32 @@ class VeriCacheAttnBackend(TorchNativeAttnBackend):
             if self.clock is not None and _copied(keys):  # gathered, not read in place
                 self.clock.note_transient(2 * keys.numel() * keys.element_size())
             keys, values = keys.to(q3.dtype), values.to(q3.dtype)  # once per row, not per block
-            k_pos = torch.arange(end, device=q3.device)[None, :]
             for lo in range(0, n, QUERY_BLOCK):
                 hi = min(n, lo + QUERY_BLOCK)
                 qi = q3[start + lo : start + hi].transpose(0, 1)  # [H_q, hi - lo, D]
-                q_pos = torch.arange(end - n + lo, end - n + hi, device=q3.device)
-                o = grouped_sdpa(qi, keys, values, layer.scaling, k_pos <= q_pos[:, None])
+                mask = self._causal_mask(fb if shared_masks else None, group, end, n, lo, hi)
+                o = grouped_sdpa(qi, keys, values, layer.scaling, mask)
                 out[start + lo : start + hi] = o.transpose(0, 1)
             start += n
         return out.view(-1, layer.tp_q_head_num * layer.v_head_dim)
+
+    def _causal_mask(self, fb: ForwardBatch | None, group: int, end: int, n: int, lo: int,
+                     hi: int) -> torch.Tensor:  # fmt: skip
+        """[group * (hi - lo), end] bool, grouped for ``grouped_sdpa``: queries at positions
+        end - n + [lo, hi) over keys [0, end). Kept for the rest of forward ``fb`` (None: not
+        kept): it depends on the row's length and block, not on the layer."""
+        owner, masks = self._verify_masks
+        key = (group, end, n, lo, hi)
+        if fb is not None and owner is fb and key in masks:
+            return masks[key]
+        k_pos = torch.arange(end, device=self.device)[None, :]
+        q_pos = torch.arange(end - n + lo, end - n + hi, device=self.device)
+        mask = group_mask(k_pos <= q_pos[:, None], group)
+        if fb is not None:
+            if owner is not fb:
+                self._verify_masks = (fb, masks := {})
+            masks[key] = mask
+        return mask
 
     def forward_decode(self, q, k, v, layer: RadixAttention, fb: ForwardBatch, save_kv_cache=True):
         rows = fb.req_pool_indices.tolist()
