@@ -18,3 +18,30 @@ def test_future_tokens_follow_the_compressed_fraction() -> None:
     assert vericache_future_tokens(10.0, 512, 2048, 9) == 10.0
     # a compressor that keeps everything reserves like full KV, capped by SGLang's estimate
     assert vericache_future_tokens(180.0, 2048, 2048, 9) == 180.0
+
+
+def test_queued_asks_follow_the_request_that_lacked_room_in_queue_order() -> None:
+    """Behind the request admission could not add, every request waiting for memory asks its
+    uncached prompt plus its clipped output; requests waiting for a tier and those ahead of it
+    (passed over, not short of memory) are not counted."""
+    from types import SimpleNamespace
+
+    from sglang.srt.managers.schedule_policy import CLIP_MAX_NEW_TOKENS
+
+    from sglang_vericache.srt.admission import queued_asks, request_ask
+
+    def req(rid: str, prompt: int, cached: int, max_new: int):
+        return SimpleNamespace(rid=rid, full_untruncated_fill_ids=[0] * prompt, prefix_len=cached,
+                               sampling_params=SimpleNamespace(max_new_tokens=max_new),
+                               output_ids=[])  # fmt: skip
+
+    queue = [req("ahead", 90, 0, 8), req("lacked", 2000, 0, 64), req("fetching", 700, 0, 8),
+             req("b", 1000, 400, 64), req("c", 50, 0, 10**6)]  # fmt: skip
+    tree = SimpleNamespace(waiting_for_tier=lambda r: r.rid == "fetching")
+    scheduler = SimpleNamespace(waiting_queue=queue, tree_cache=tree)
+    lacked = [request_ask(queue[1])]
+    assert lacked == [("lacked", 2000, 2064)]
+    assert queued_asks(scheduler, lacked) == [
+        ("lacked", 2000, 2064), ("b", 1000, 664), ("c", 50, 50 + CLIP_MAX_NEW_TOKENS)]
+    scheduler.waiting_queue = queue[2:]  # it was admitted after all: nothing to add
+    assert queued_asks(scheduler, lacked) == lacked

@@ -30,6 +30,9 @@ resident full KV when admission is short), so the second hook reopens admission 
 offloads have freed slots since the last attempt. The third records what an attempt lacked
 (``OffloadLedger.admission_deficit``): the pressure that makes the worker offload
 (``sglang_vericache.placement``); while nothing waits for memory, full KV stays in the pool.
+With it the second records the ask of each request queued behind (``waiting_asks``), so the
+worker weighs plain decoding against drafting with every request that dropping the batch's
+compressed KV would let in, not just the first (``srt/step_costs.joining_contexts``).
 
 The fourth tells drafting ahead (``srt/draft_ahead.py``) that the serving path idles: SGLang
 calls ``on_idle`` whenever it has no batch to run, e.g. while every request waits for its
@@ -89,8 +92,33 @@ def _new_prefill_around(original: Callable[..., Any], scheduler: Any, *args: Any
     attempt_runs = running_batch is not None and not running_batch.batch_is_full
     if offloader is not None and (not scheduler.waiting_queue or attempt_runs):
         offloader.ledger.admission_deficit = 0  # an attempt runs now and reports afresh
-        offloader.ledger.waiting_context = 0
-    return original(scheduler, *args, **kw)
+        offloader.ledger.waiting_asks = []
+    batch = original(scheduler, *args, **kw)
+    if offloader is not None and attempt_runs and offloader.ledger.waiting_asks:
+        offloader.ledger.waiting_asks = queued_asks(scheduler, offloader.ledger.waiting_asks)
+    return batch
+
+
+def queued_asks(scheduler: Any, lacked: list[tuple[str, int, int]]) -> list[tuple[str, int, int]]:
+    """``lacked`` (the ask of the request the attempt could not add) followed by the ask of every
+    request queued behind it that waits for memory, not for a tier: what freeing slots would let
+    in, in the order admission takes them (``srt/step_costs.joining_contexts``)."""
+    waiting = getattr(scheduler.tree_cache, "waiting_for_tier", None)
+    rids = [req.rid for req in scheduler.waiting_queue]
+    if lacked[0][0] not in rids:
+        return lacked
+    behind = scheduler.waiting_queue[rids.index(lacked[0][0]) + 1 :]
+    return lacked + [request_ask(req) for req in behind if waiting is None or not waiting(req)]
+
+
+def request_ask(req: Any) -> tuple[str, int, int]:
+    """(request id, prompt tokens, pool slots admission asks for it): its uncached prompt and
+    clipped output, as SGLang's ``PrefillAdder`` counts them."""
+    from sglang.srt.managers.schedule_policy import CLIP_MAX_NEW_TOKENS
+
+    max_new = min(tokens_left(req), CLIP_MAX_NEW_TOKENS)
+    context = len(req.full_untruncated_fill_ids)
+    return req.rid, context, context - req.prefix_len + max_new
 
 
 def admission_deficit(needed: int, remaining: float) -> int:
@@ -100,7 +128,7 @@ def admission_deficit(needed: int, remaining: float) -> int:
 
 def _add_one_req_around(original: Callable[..., Any], adder: Any, req: Any, *args: Any,
                         **kw: Any) -> Any:  # fmt: skip
-    from sglang.srt.managers.schedule_policy import CLIP_MAX_NEW_TOKENS, AddReqResult
+    from sglang.srt.managers.schedule_policy import AddReqResult
 
     waiting = getattr(adder.tree_cache, "waiting_for_tier", None)
     if waiting is not None and waiting(req):
@@ -111,10 +139,9 @@ def _add_one_req_around(original: Callable[..., Any], adder: Any, req: Any, *arg
     result = original(adder, req, *args, **kw)
     offloader = getattr(adder.tree_cache, "offloader", None)
     if offloader is not None and result == AddReqResult.NO_TOKEN:
-        max_new = min(tokens_left(req), CLIP_MAX_NEW_TOKENS)
-        needed = len(req.full_untruncated_fill_ids) - req.prefix_len + max_new  # as SGLang asks
-        offloader.ledger.admission_deficit = admission_deficit(needed, adder.rem_total_tokens)
-        offloader.ledger.waiting_context = len(req.full_untruncated_fill_ids)
+        ask = request_ask(req)
+        offloader.ledger.admission_deficit = admission_deficit(ask[2], adder.rem_total_tokens)
+        offloader.ledger.waiting_asks = [ask]
     return result
 
 

@@ -155,7 +155,9 @@ class OffloadLedger:
         # Slots the last admission attempt lacked for a waiting request (0: none lacked); set by
         # the admission hook, relieved by the worker offloading resident rows (placement.py).
         self.admission_deficit = 0
-        self.waiting_context = 0  # prompt tokens of that request (0 when none lacked)
+        # (request id, prompt tokens, slots asked) of each request still waiting when an attempt
+        # lacked, in queue order: the first lacked ``admission_deficit``, the others queue behind
+        self.waiting_asks: list[tuple[str, int, int]] = []
         # Called with a request id when SGLang releases the request's KV (finished at prefill
         # or decode, aborted, retracted): the end of its life, which the worker needs too.
         self.release_listeners: list[Callable[[str], None]] = []

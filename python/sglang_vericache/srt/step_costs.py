@@ -6,9 +6,9 @@
   the cost fit (``verify/step_cost.py``; draft forwards: ``ForwardShape.draft``);
 - ``relieve_pressure``: offload resident drafted rows while admission or the next step is short
   of pool slots (``placement.py``);
-- ``joining_contexts`` / ``release_for_admission``: the request waiting for the slots that
-  drafted rows' compressed KV holds, and, where drafting does not pay (with that request in a
-  plain batch), freeing those slots for it (the rows then decode offload-only).
+- ``joining_contexts`` / ``release_for_admission``: the requests waiting for the slots that
+  drafted rows' compressed KV holds, and, where drafting does not pay (with those requests in a
+  plain batch), freeing those slots for them (the rows then decode offload-only).
 """
 
 from __future__ import annotations
@@ -70,31 +70,49 @@ def relieve_pressure(batch: Any, states: Mapping[str, Any], offloader: Any, widt
 
 
 def joining_contexts(batch: Any, drafted: Sequence[int], offloader: Any) -> list[int]:
-    """The context of the request admission could not fit, when the drafted rows' compressed-KV
-    slots would make room for it (``release_for_admission`` frees them); none otherwise. The
-    planner weighs plain decoding with that request in the batch (``verify/step_plan.py``)."""
+    """The contexts of the waiting requests that the drafted rows' compressed-KV slots would
+    make room for, in queue order: the one admission could not fit (``admission_deficit``
+    slots short), then each behind it while the slots still cover their asks; none when they
+    do not cover the first. The planner weighs plain decoding with these requests in the batch
+    (``verify/step_plan.py``); ``release_for_admission`` frees the slots they need."""
     ledger = offloader.ledger
-    if ledger.admission_deficit <= 0 or ledger.waiting_context <= 0:
+    if ledger.admission_deficit <= 0 or not ledger.waiting_asks:
         return []
     held = sum(slots for slots, _ in _reservations(batch, drafted, ledger))
-    return [ledger.waiting_context] if held >= ledger.admission_deficit else []
+    return [context for _, context, _ in _joining(ledger, held)]
 
 
 def release_for_admission(batch: Any, drafted: Sequence[int], offloader: Any) -> list[int]:
     """Rows (of ``drafted``) whose reserved compressed-KV slots are freed for admission: the
-    largest reservations first, until the deficit admission reported is covered. Call only
-    where drafting does not pay; the caller drops those rows' compressed KV."""
+    largest reservations first, until they cover what the joining requests lack (at least the
+    deficit admission reported). Call only where drafting does not pay; the caller drops those
+    rows' compressed KV."""
     ledger = offloader.ledger
     if ledger.admission_deficit <= 0:
         return []
+    held = _reservations(batch, drafted, ledger)
+    joining = _joining(ledger, sum(slots for slots, _ in held))
+    target = ledger.admission_deficit + sum(ask for _, _, ask in joining[1:])
     pool_rows = batch.req_pool_indices.tolist()
     released, freed = [], 0
-    for _, i in sorted(_reservations(batch, drafted, ledger), reverse=True):
-        if freed >= ledger.admission_deficit:
+    for _, i in sorted(held, reverse=True):
+        if freed >= target:
             break
         freed += offloader.release_reserved(pool_rows[i])
         released.append(i)
     return released
+
+
+def _joining(ledger: Any, held: int) -> list[tuple[str, int, int]]:
+    """The waiting asks (queue order) that ``held`` freed slots admit: the first needs the
+    deficit, each later one its whole ask."""
+    joining, need = [], 0
+    for k, ask in enumerate(ledger.waiting_asks):
+        need += ledger.admission_deficit if k == 0 else ask[2]
+        if need > held:
+            break
+        joining.append(ask)
+    return joining
 
 
 def _reservations(batch: Any, drafted: Sequence[int], ledger: Any) -> list[tuple[int, int]]:
