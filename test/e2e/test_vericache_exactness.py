@@ -92,6 +92,7 @@ def test_vericache_is_token_identical(
     logged = "draft weights in the model's dtype" if draft_dtype == "model" else (
         f"draft weights in {draft_dtype} (")  # fmt: skip
     assert logged in log, "the draft dtype the worker logged"
+    assert "draft attention batched (CPU kernel)" in log, "drafts attend through the CPU kernel"
     assert_identical(prompts, reference, candidate, compressor=compressor, concurrency=concurrency)
 
 
