@@ -13,7 +13,8 @@ Measured on 2 AVX2 cores, 8 rows x 1.4-2k-token views x 30 layers: the SDPA loop
 per forward, this kernel 50 ms (the views' bytes at ~13 GB/s: DRAM-bound).
 
 Drafts are proposals: the verify over the full KV decides every committed token, so this
-kernel's float32 summation order can move acceptance by a rounding, never an output. The plain and verify forwards keep torch's SDPA.
+kernel's float32 summation order can move acceptance by a rounding, never an output. The plain
+and verify forwards keep torch's SDPA.
 
 The extension is compiled on first use by torch's ``cpp_extension`` (about 30 s on 2 cores,
 then cached under ``TORCH_EXTENSIONS_DIR``) for this CPU (``-march=native``; the cache name

@@ -110,9 +110,11 @@ class VeriCacheWorker(DecodeSteps, BaseSpecWorker):
         if server_args.enable_metrics:
             self.metrics = VeriCacheExporter(server_args.served_model_name or "default")
         self.precision = self._draft_precision()
-        # one batched attention call per layer of a draft forward (built here, not mid-step)
+        # one batched attention call per layer of a draft forward (built here, not mid-step),
+        # only where it can serve: drafts on a CPU over float32 views (the KV dtype)
         self.draft_kernel = None
-        if not self.offload_only and torch.device(self.device).type == "cpu":
+        if (not self.offload_only and torch.device(self.device).type == "cpu"
+                and self.model_runner.kv_cache_dtype == torch.float32):  # fmt: skip
             self.draft_kernel = load_cpu_draft_decode()
         logger.info(
             "VeriCache worker: compressor %s, verify width %d, draft weights in %s, draft "
