@@ -181,9 +181,9 @@ def _reference_draft_attention(q, state, pool, layer, chain):
 def test_draft_plan_equals_attention_over_view_and_chain(pool, spec: str, batched: bool) -> None:
     """Each row gets what attending over its own compressed view + draft chain gives; a row
     without a state attends over its chain only. Droppers attend in place (nothing copied, the
-    chain written after the view leaves the view as it was); a quantized body is copied one
-    layer of the batch at a time. The same with one SDPA call per row and with the batched CPU
-    kernel."""
+    chain written after the view leaves the view as it was); a quantized body is dequantized
+    one layer of the batch at a time for SDPA, and read packed by the batched CPU kernel (only
+    its full-precision tokens and the chain are copied)."""
     from sglang_vericache.ops.cpu_draft_decode import load_cpu_draft_decode
     from sglang_vericache.srt.draft_attention import DraftPlan
     from sglang_vericache.srt.draft_state import RequestDraftState
@@ -213,6 +213,12 @@ def test_draft_plan_equals_attention_over_view_and_chain(pool, spec: str, batche
         assert all(torch.equal(k, v[0]) for k, v in zip(keys, state.views()))
     quantized = spec.startswith("kivi")
     assert (plan.transient_bytes > 0) == quantized
+    if quantized:  # a quantized row copies its whole view and chain, or all but its packed body
+        body = states[0].layers[0].compressed.block
+        assert body is not None, "the test's longer row must have a quantized body"
+        assert states[1].layers[0].compressed.block is None  # too short: attends in place
+        copied = states[0].view_tokens + 3 - (body.num_tokens if batched else 0)
+        assert plan.transient_bytes == 2 * H_KV * D * 4 * copied
     assert plan.view_tokens[2] == 0 and plan.view_tokens[0] == states[0].view_tokens
 
 

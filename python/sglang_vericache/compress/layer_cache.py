@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from sglang_vericache.compress.attend import attend
-from sglang_vericache.compress.base import CompressedKV, Compressor, Observation
+from sglang_vericache.compress.base import CompressedKV, Compressor, Observation, QuantizedBlock
 
 GROW_MIN = 16  # columns of room added beyond the need whenever a view buffer is (re)allocated
 
@@ -223,6 +223,15 @@ class CompressedLayerCache:
         KV dtype: ``view()`` without the concatenation, for a caller that joins the parts with
         more of its own (a quantized body is dequantized; a dropper's is its stored tensors)."""
         return self._compressed.dequantize(), (self._keys, self._values)
+
+    def packed_view_parts(self) -> tuple[QuantizedBlock | None, tuple[Tensor, Tensor]]:
+        """(quantized block or None, (keys, values) [H_kv, n, D] of the view's tokens after it):
+        ``view_parts`` for a reader of packed codes (``ops/cpu_draft_decode.py``), which leaves
+        the block as stored; the full-precision tokens (the body's unquantized residual, then
+        the window) are concatenated, a few dozen tokens."""
+        c = self._compressed
+        return c.block, (torch.cat([c.residual_keys, self._keys], dim=1),
+                         torch.cat([c.residual_values, self._values], dim=1))  # fmt: skip
 
     def view(self) -> tuple[Tensor, Tensor, Tensor]:
         """(keys, values [H_kv, T_view, D] in the KV dtype, positions [H_kv, T_view] int64)."""

@@ -6,11 +6,18 @@ OpenMP region over only H_kv x 1 work items; between two calls the threads go to
 (``GOMP_SPINCOUNT=1000``, ``srt/platform.py``) and must be woken. ``csrc/draft_decode.cpp`` runs
 every (row, KV head) pair of a layer in one region, reading each view where it lies::
 
+    bodies[b]            a KIVI-packed body (``compress/kivi.KiviBlock``), or None
     keys[b], values[b]   [H_kv, T_b, D] float32, strides [*, D, 1]  (a view of a wider buffer)
     q, out               [B, H_q, D] float32, contiguous
 
 Measured on 2 AVX2 cores, 8 rows x 1.4-2k-token views x 30 layers: the SDPA loop took 100-107 ms
 per forward, this kernel 50 ms (the views' bytes at ~13 GB/s: DRAM-bound).
+
+A quantized view is read packed: its keys and values as codes (4 bits a channel at int4, with a
+scale and zero per key group and channel, and per value token), the logits and the weighted sum
+computed from the codes, so a draft reads an eighth of the bytes a dequantized view would hold and
+builds no full-precision copy of the body (dequantizing it cost more than the full decode it
+replaces).
 
 Drafts are proposals: the verify over the full KV decides every committed token, so this
 kernel's float32 summation order can move acceptance by a rounding, never an output. The plain
@@ -34,12 +41,15 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
+from sglang_vericache.compress.kivi import KiviBlock
+
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "draft_decode.cpp"
 # -fopenmp: ATen's parallel_for is an OpenMP region inlined from its headers (the symbols
 # resolve to the libgomp torch loaded). No -ffast-math: the softmax starts from -inf.
 CFLAGS = ("-O3", "-march=native", "-fopenmp")
+PACKED_BITS = (2, 4, 8)  # the KIVI widths read packed (16 is stored unquantized)
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,13 +68,30 @@ class CpuDraftDecode:
         return all(t.device.type == "cpu" and t.dtype == torch.float32 and t.stride(2) == 1
                    and (t.shape[1] <= 1 or t.stride(1) == d) for t in (*keys, *values))  # fmt: skip
 
-    def __call__(self, q: Tensor, keys: Sequence[Tensor], values: Sequence[Tensor],
-                 scale: float) -> Tensor:  # fmt: skip
+    @staticmethod
+    def accepts_body(body: Any) -> bool:
+        """Whether ``__call__`` reads ``body`` packed: a float32 KIVI block of 2, 4 or 8 bits on
+        the CPU (other quantized formats are dequantized by the caller)."""
+        return (isinstance(body, KiviBlock) and body.bits in PACKED_BITS
+                and body.key_scale.dtype == torch.float32
+                and body.packed_keys.device.type == "cpu")  # fmt: skip
+
+    def __call__(self, q: Tensor, keys: Sequence[Tensor], values: Sequence[Tensor], scale: float,
+                 bodies: Sequence[KiviBlock | None] | None = None) -> Tensor:  # fmt: skip
         """softmax(q_b K_b^T * scale) V_b for every row b, grouped-query heads (H_q a multiple
-        of H_kv). q: [B, H_q, D]; keys[b], values[b]: [H_kv, T_b, D]. Returns [B, H_q, D]."""
+        of H_kv). q: [B, H_q, D]; keys[b], values[b]: [H_kv, T_b, D], after ``bodies[b]``'s
+        tokens where it has one (``accepts_body``; all of one bit width and key group).
+        Returns [B, H_q, D]."""
         q = q.contiguous()
         out = torch.empty_like(q)
-        self.module.draft_decode(q, list(keys), list(values), out, float(scale))
+        bodies = bodies or [None] * len(keys)
+        packed = [b for b in bodies if b is not None]
+        bits, group = (packed[0].bits, packed[0].group) if packed else (0, 0)
+        if any((b.bits, b.group) != (bits, group) for b in packed):
+            raise ValueError("CpuDraftDecode: packed bodies of one call share bits and group")
+        parts = [[] if b is None else list(b.stored_tensors()) for b in bodies]
+        self.module.draft_decode(q, list(keys), list(values), parts, bits, group, out,
+                                 float(scale))  # fmt: skip
         return out
 
 

@@ -9,8 +9,14 @@ room and attends over the buffer's head, so the view is never copied::
                                0              view_len[l][i]      + n_chain
 
 Queries sit at their true positions (keys are post-RoPE, so a view's gaps do not matter). A
-quantized body has no such buffer: its view is dequantized and concatenated with the chain for
-one layer of the batch at a time, the only transient tensors drafting builds outside the pool
+quantized body has no such buffer. The batched CPU kernel reads a KIVI body packed, as stored,
+and only its full-precision tokens (residual, window) are concatenated with the chain::
+
+    row i, layer l   | packed body (codes, scales) | residual | window | chain |
+                       read in place                 copied: a few dozen tokens
+
+Elsewhere the body is dequantized and concatenated with the rest for one layer of the batch at
+a time. Those copies are the only transient tensors drafting builds outside the pool
 (``transient_bytes``). A row without a compressed state rides along in the forward, attending
 over its own chain only; its drafts are never verified.
 
@@ -68,12 +74,13 @@ class DraftPlan:
         return self.view_lens[0] if self.view_lens else [0] * len(self.states)
 
     def _row_kv(self, i: int, layer_id: int, chain_k: Tensor, chain_v: Tensor
-                ) -> tuple[Tensor, Tensor, int]:  # fmt: skip
-        """Row i's keys and values, view then chain, each [H_kv, view_len + n_chain, D], and the
-        bytes copied to make them (0 where read in place)."""
+                ) -> tuple[Any | None, Tensor, Tensor, int]:  # fmt: skip
+        """Row i's packed body (a quantized block the kernel reads as stored, or None) and the
+        keys and values after it, view then chain, each [H_kv, n, D], and the bytes copied to
+        make them (0 where read in place)."""
         state, n = self.states[i], chain_k.shape[1]
         if state is None:  # a few tokens: made contiguous, as the batched kernel reads them
-            return chain_k.contiguous(), chain_v.contiguous(), 0
+            return None, chain_k.contiguous(), chain_v.contiguous(), 0
         cache = state.layers[layer_id]
         at = self.view_lens[layer_id][i]
         buffers = cache.draft_buffer(self.drafts)
@@ -81,10 +88,13 @@ class DraftPlan:
             keys, values = buffers
             keys[:, at : at + n] = chain_k  # scratch after the view: not part of it
             values[:, at : at + n] = chain_v
-            return keys[:, : at + n], values[:, : at + n], 0
-        (bk, bv), (wk, wv) = cache.view_parts()
-        keys, values = torch.cat([bk, wk, chain_k], dim=1), torch.cat([bv, wv, chain_v], dim=1)
-        return keys, values, 2 * keys.numel() * keys.element_size()
+            return None, keys[:, : at + n], values[:, : at + n], 0
+        body, (rk, rv) = cache.packed_view_parts()
+        if body is None or self.kernel is None or not self.kernel.accepts_body(body):
+            (bk, bv), (wk, wv) = cache.view_parts()  # dequantized: the whole view in full
+            body, rk, rv = None, torch.cat([bk, wk], dim=1), torch.cat([bv, wv], dim=1)
+        keys, values = torch.cat([rk, chain_k], dim=1), torch.cat([rv, chain_v], dim=1)
+        return body, keys, values, 2 * keys.numel() * keys.element_size()
 
     def attend(self, q: Tensor, layer_id: int, key_buffer: Tensor, value_buffer: Tensor,
                chain_slots: Sequence[Tensor], scale: float) -> Tensor:  # fmt: skip
@@ -98,13 +108,17 @@ class DraftPlan:
         rows = [self._row_kv(i, layer_id, key_buffer[slots].transpose(0, 1),
                              value_buffer[slots].transpose(0, 1))
                 for i, slots in enumerate(chain_slots)]  # fmt: skip
-        keys, values = [k for k, _, _ in rows], [v for _, v, _ in rows]
-        self.transient_bytes = max(self.transient_bytes, sum(copied for _, _, copied in rows))
+        bodies = [body for body, _, _, _ in rows]
+        keys, values = [k for _, k, _, _ in rows], [v for _, _, v, _ in rows]
+        self.transient_bytes = max(self.transient_bytes, sum(copied for *_, copied in rows))
         if self.kernel is not None and self.kernel.accepts(q, keys, values):
-            return self.kernel(q, keys, values, scale)
+            return self.kernel(q, keys, values, scale, bodies)
         out = q.new_empty((q.shape[0], q.shape[1], value_buffer.shape[-1]))
         gqa = q.shape[1] != key_buffer.shape[1]
-        for i, (k, v) in enumerate(zip(keys, values)):
+        for i, (body, k, v) in enumerate(zip(bodies, keys, values)):
+            if body is not None:  # the kernel refused the rest of the view: read it in full
+                bk, bv = body.dequantize()
+                k, v = torch.cat([bk, k], dim=1), torch.cat([bv, v], dim=1)
             o = scaled_dot_product_attention(
                 q[i, :, None].unsqueeze(0), k.unsqueeze(0).to(q.dtype),
                 v.unsqueeze(0).to(q.dtype), scale=scale, enable_gqa=gqa,

@@ -1,15 +1,28 @@
 // Batched draft decode attention on CPU: every row and KV head of one draft forward's layer in
 // one parallel region (``ops/cpu_draft_decode.py`` says why and how it is built).
 //
+// Row b attends over its view: an optional KIVI-packed body (the oldest tokens, read as packed
+// codes, never dequantized into a tensor), then float32 tokens (a dropper's kept tokens, or a
+// quantized body's full-precision residual and window, then the draft chain):
+//
+//   tokens of row b   | packed body: n_q tokens | float32: T_f tokens |
+//   logits column     0                        n_q                  n_q + T_f
+//
 // Per work item (row b, KV head h), for its G = H_q / H_kv query heads, in float32:
 //
 //   pass 1   logits[j][t] = scale * <q[b, h*G + j], K[h, t]>      one read of K[h]
 //   pass 2   p[j][t] = exp(logits[j][t] - max_j) / sum_j           (in place, scalar)
 //   pass 3   out[b, h*G + j] = sum_t p[j][t] * V[h, t]            one read of V[h]
 //
-// The views are read where they lie: keys[b] / values[b] are [H_kv, T_b, D] with a unit stride
-// on D and a stride of D on T (a compressed cache's buffer, sliced to its view and chain); the
-// head stride is free.
+// A packed key of group g is code * ks[g] + kz[g] per channel, so its logit is
+// <q * ks[g], code> + <q, kz[g]>: q is scaled once per group, each token costs its codes only.
+// A packed value is code * vs[t] + vz[t] per token, so pass 3 adds p * vs[t] * code and, once
+// per head, sum_t p * vz[t].
+//
+// Float tokens are read where they lie: [H_kv, T, D] with a unit stride on D and a stride of D on
+// T (a compressed cache's buffer, sliced to its view and chain); the head stride is free. Packed
+// tensors (``compress/kivi.KiviBlock``): codes [H_kv, n, D * bits / 8] uint8, key scale/zero
+// [H_kv, n / group, D], value scale/zero [H_kv, n, 1], float32, each with contiguous tokens.
 
 #include <torch/extension.h>
 
@@ -17,6 +30,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <vector>
 
 namespace {
@@ -30,85 +44,266 @@ void check_view(const at::Tensor& t, int64_t heads, int64_t dim, const char* nam
               name, ": the token rows must be contiguous (strides [*, D, 1])");
 }
 
-}  // namespace
+void check_rows(const at::Tensor& t, c10::ScalarType dtype, int64_t heads, int64_t tokens,
+                int64_t width, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == dtype, name, ": a CPU ", dtype,
+              " tensor is required");
+  TORCH_CHECK(t.dim() == 3 && t.size(0) == heads && t.size(1) == tokens && t.size(2) == width,
+              name, ": [", heads, ", ", tokens, ", ", width, "] expected, got ", t.sizes());
+  TORCH_CHECK(t.stride(2) == 1 && (t.size(1) <= 1 || t.stride(1) == width),
+              name, ": the token rows must be contiguous");
+}
 
-void draft_decode(const at::Tensor& q, const std::vector<at::Tensor>& keys,
-                  const std::vector<at::Tensor>& values, at::Tensor& out, double scale) {
-  TORCH_CHECK(q.device().is_cpu() && q.scalar_type() == at::kFloat && q.dim() == 3 &&
-                  q.is_contiguous(), "q: a contiguous float32 CPU tensor [B, H_q, D] is required");
-  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
-  TORCH_CHECK(static_cast<int64_t>(keys.size()) == B && static_cast<int64_t>(values.size()) == B,
-              "one keys and one values view per row of q");
-  TORCH_CHECK(out.sizes() == q.sizes() && out.scalar_type() == at::kFloat && out.is_contiguous(),
-              "out: a contiguous float32 tensor shaped like q");
-  if (B == 0) return;
-  const int64_t Hkv = keys[0].size(0);
-  TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0, "H_q must be a multiple of H_kv");
-  for (int64_t b = 0; b < B; ++b) {
-    check_view(keys[b], Hkv, D, "keys");
-    check_view(values[b], Hkv, D, "values");
-    TORCH_CHECK(keys[b].size(1) == values[b].size(1), "keys and values differ in length");
+// One row's packed KIVI body: the six tensors of a KiviBlock, checked.
+struct PackedBody {
+  int64_t n = 0;  // tokens
+  const uint8_t* keys = nullptr;
+  const float* key_scale = nullptr;
+  const float* key_zero = nullptr;
+  const uint8_t* values = nullptr;
+  const float* value_scale = nullptr;
+  const float* value_zero = nullptr;
+  int64_t codes_head = 0, kscale_head = 0, vscale_head = 0, vcodes_head = 0;
+};
+
+PackedBody packed_body(const std::vector<at::Tensor>& parts, int64_t Hkv, int64_t D, int64_t bits,
+                       int64_t group) {
+  PackedBody body;
+  if (parts.empty()) return body;
+  TORCH_CHECK(parts.size() == 6, "a packed body is 6 tensors (KiviBlock.stored_tensors())");
+  const int64_t n = parts[0].size(1), width = D * bits / 8;
+  TORCH_CHECK(n % group == 0, "packed body: ", n, " tokens is not a multiple of group ", group);
+  check_rows(parts[0], at::kByte, Hkv, n, width, "packed keys");
+  check_rows(parts[1], at::kFloat, Hkv, n / group, D, "key scale");
+  check_rows(parts[2], at::kFloat, Hkv, n / group, D, "key zero");
+  check_rows(parts[3], at::kByte, Hkv, n, width, "packed values");
+  check_rows(parts[4], at::kFloat, Hkv, n, 1, "value scale");
+  check_rows(parts[5], at::kFloat, Hkv, n, 1, "value zero");
+  TORCH_CHECK(parts[1].strides() == parts[2].strides() && parts[4].strides() == parts[5].strides(),
+              "packed body: scales and zeros must share strides");
+  body.n = n;
+  body.keys = parts[0].data_ptr<uint8_t>();
+  body.key_scale = parts[1].data_ptr<float>();
+  body.key_zero = parts[2].data_ptr<float>();
+  body.values = parts[3].data_ptr<uint8_t>();
+  body.value_scale = parts[4].data_ptr<float>();
+  body.value_zero = parts[5].data_ptr<float>();
+  body.codes_head = parts[0].stride(0);
+  body.vcodes_head = parts[3].stride(0);
+  body.kscale_head = parts[1].stride(0);
+  body.vscale_head = parts[4].stride(0);
+  return body;
+}
+
+// Packed channels are read slot-major: byte k of a token holds channels k * PER + s for its
+// PER = 8 / bits slots s (low bits first, ``compress/packing.pack_bits``), so channel
+// k * PER + s is kept at s * K + k (K = D / PER). Each slot then unpacks as one shift and mask
+// over K contiguous bytes, which vectorizes; the query (times the key scale) is permuted to
+// match once per key group, and the value sums are permuted back once per item.
+template <int BITS>
+inline void unpack(const uint8_t* src, float* dst, int64_t D) {
+  constexpr int PER = 8 / BITS;
+  constexpr unsigned MASK = (1u << BITS) - 1u;
+  const int64_t K = D / PER;
+  for (int s = 0; s < PER; ++s) {
+    float* out = dst + s * K;
+#pragma omp simd
+    for (int64_t k = 0; k < K; ++k) out[k] = static_cast<float>((src[k] >> (s * BITS)) & MASK);
   }
+}
+
+template <int BITS>
+inline int64_t slot_major(int64_t d, int64_t D) {  // channel d's place in an unpacked token
+  constexpr int PER = 8 / BITS;
+  return (d % PER) * (D / PER) + d / PER;
+}
+
+// Scratch of one work item, reused across the items a thread runs.
+struct Scratch {
+  std::vector<float> logits, acc, mx, sum, qs, qz, codes, zacc;
+  Scratch(int64_t G, int64_t D) : acc(G * D), mx(G), sum(G), qs(G * D), qz(G), codes(D), zacc(G) {}
+};
+
+// pass 1 over a packed body: logits[j * T + t] for t < body.n
+template <int BITS>
+void score_packed(const PackedBody& body, int64_t h, const float* qh, int64_t G, int64_t D,
+                  int64_t group, int64_t T, float s, Scratch& w) {
+  const int64_t width = D * BITS / 8;
+  const uint8_t* codes = body.keys + h * body.codes_head;
+  const float* ks = body.key_scale + h * body.kscale_head;
+  const float* kz = body.key_zero + h * body.kscale_head;
+  for (int64_t g = 0; g < body.n / group; ++g) {
+    const float* ksg = ks + g * D;
+    const float* kzg = kz + g * D;
+    for (int64_t j = 0; j < G; ++j) {
+      const float* qj = qh + j * D;
+      float* qsj = w.qs.data() + j * D;
+      float z = 0.f;
+#pragma omp simd reduction(+ : z)
+      for (int64_t d = 0; d < D; ++d) z += qj[d] * kzg[d];
+      for (int64_t d = 0; d < D; ++d) qsj[slot_major<BITS>(d, D)] = s * qj[d] * ksg[d];
+      w.qz[j] = s * z;
+    }
+    for (int64_t t = g * group; t < (g + 1) * group; ++t) {
+      unpack<BITS>(codes + t * width, w.codes.data(), D);
+      const float* c = w.codes.data();
+      for (int64_t j = 0; j < G; ++j) {
+        const float* qsj = w.qs.data() + j * D;
+        float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t d = 0; d < D; ++d) dot += qsj[d] * c[d];
+        dot += w.qz[j];
+        w.logits[j * T + t] = dot;
+        w.mx[j] = std::max(w.mx[j], dot);
+      }
+    }
+  }
+}
+
+// pass 3 over a packed body: acc[j] += sum_{t < body.n} p[j][t] * V[t]
+template <int BITS>
+void accumulate_packed(const PackedBody& body, int64_t h, int64_t G, int64_t D, int64_t T,
+                       Scratch& w) {
+  const int64_t width = D * BITS / 8;
+  const uint8_t* codes = body.values + h * body.vcodes_head;
+  const float* vs = body.value_scale + h * body.vscale_head;
+  const float* vz = body.value_zero + h * body.vscale_head;
+  std::fill(w.zacc.begin(), w.zacc.end(), 0.f);
+  for (int64_t t = 0; t < body.n; ++t) {
+    unpack<BITS>(codes + t * width, w.codes.data(), D);
+    const float* c = w.codes.data();
+    for (int64_t j = 0; j < G; ++j) {
+      const float p = w.logits[j * T + t];
+      const float pv = p * vs[t];
+      w.zacc[j] += p * vz[t];
+      float* aj = w.acc.data() + j * D;
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) aj[d] += pv * c[d];
+    }
+  }
+  for (int64_t j = 0; j < G; ++j) {  // back to channel order, the zeros' sum added
+    float* aj = w.acc.data() + j * D;
+    std::copy(aj, aj + D, w.codes.data());
+    for (int64_t d = 0; d < D; ++d) aj[d] = w.codes[slot_major<BITS>(d, D)] + w.zacc[j];
+  }
+}
+
+template <int BITS>
+void attend_item(const PackedBody& body, const float* kp, const float* vp, int64_t Tf,
+                 const float* qh, float* oh, int64_t h, int64_t G, int64_t D, int64_t group,
+                 float s, Scratch& w) {
+  const int64_t nq = body.n, T = nq + Tf;
+  if (T == 0) {  // nothing to attend over: zeros, as the reference gives
+    std::fill(oh, oh + G * D, 0.f);
+    return;
+  }
+  w.logits.resize(G * T);
+  std::fill(w.mx.begin(), w.mx.end(), -INFINITY);
+  if constexpr (BITS > 0) {
+    if (nq) score_packed<BITS>(body, h, qh, G, D, group, T, s, w);
+  }
+  for (int64_t t = 0; t < Tf; ++t) {
+    const float* kt = kp + t * D;
+    for (int64_t j = 0; j < G; ++j) {
+      const float* qj = qh + j * D;
+      float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+      for (int64_t d = 0; d < D; ++d) dot += qj[d] * kt[d];
+      dot *= s;
+      w.logits[j * T + nq + t] = dot;
+      w.mx[j] = std::max(w.mx[j], dot);
+    }
+  }
+  for (int64_t j = 0; j < G; ++j) {
+    float* lj = w.logits.data() + j * T;
+    float total = 0.f;
+    for (int64_t t = 0; t < T; ++t) {
+      lj[t] = std::exp(lj[t] - w.mx[j]);
+      total += lj[t];
+    }
+    w.sum[j] = total;
+  }
+  std::fill(w.acc.begin(), w.acc.end(), 0.f);
+  if constexpr (BITS > 0) {
+    if (nq) accumulate_packed<BITS>(body, h, G, D, T, w);
+  }
+  for (int64_t t = 0; t < Tf; ++t) {
+    const float* vt = vp + t * D;
+    for (int64_t j = 0; j < G; ++j) {
+      const float p = w.logits[j * T + nq + t];
+      float* aj = w.acc.data() + j * D;
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) aj[d] += p * vt[d];
+    }
+  }
+  for (int64_t j = 0; j < G; ++j) {
+    const float inv = 1.f / w.sum[j];
+    for (int64_t d = 0; d < D; ++d) oh[j * D + d] = w.acc[j * D + d] * inv;
+  }
+}
+
+template <int BITS>
+void run_batch(const at::Tensor& q, const std::vector<at::Tensor>& keys,
+               const std::vector<at::Tensor>& values, const std::vector<PackedBody>& bodies,
+               at::Tensor& out, int64_t group, float s) {
+  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2), Hkv = keys[0].size(0);
   const int64_t G = Hq / Hkv;
   const float* qp = q.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  const float s = static_cast<float>(scale);
-
   at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> logits, acc(G * D), mx(G), sum(G);
+    Scratch w(G, D);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / Hkv, h = item % Hkv;
-      const int64_t T = keys[b].size(1);
-      const float* qh = qp + (b * Hq + h * G) * D;
-      float* oh = op + (b * Hq + h * G) * D;
-      if (T == 0) {  // nothing to attend over: zeros, as the reference gives
-        std::fill(oh, oh + G * D, 0.f);
-        continue;
-      }
-      const float* kp = keys[b].data_ptr<float>() + h * keys[b].stride(0);
-      const float* vp = values[b].data_ptr<float>() + h * values[b].stride(0);
-      logits.resize(G * T);
-      std::fill(mx.begin(), mx.end(), -INFINITY);
-      for (int64_t t = 0; t < T; ++t) {
-        const float* kt = kp + t * D;
-        for (int64_t j = 0; j < G; ++j) {
-          const float* qj = qh + j * D;
-          float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-          for (int64_t d = 0; d < D; ++d) dot += qj[d] * kt[d];
-          dot *= s;
-          logits[j * T + t] = dot;
-          mx[j] = std::max(mx[j], dot);
-        }
-      }
-      for (int64_t j = 0; j < G; ++j) {
-        float* lj = logits.data() + j * T;
-        float total = 0.f;
-        for (int64_t t = 0; t < T; ++t) {
-          lj[t] = std::exp(lj[t] - mx[j]);
-          total += lj[t];
-        }
-        sum[j] = total;
-      }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t = 0; t < T; ++t) {
-        const float* vt = vp + t * D;
-        for (int64_t j = 0; j < G; ++j) {
-          const float p = logits[j * T + t];
-          float* aj = acc.data() + j * D;
-#pragma omp simd
-          for (int64_t d = 0; d < D; ++d) aj[d] += p * vt[d];
-        }
-      }
-      for (int64_t j = 0; j < G; ++j) {
-        const float inv = 1.f / sum[j];
-        for (int64_t d = 0; d < D; ++d) oh[j * D + d] = acc[j * D + d] * inv;
-      }
+      attend_item<BITS>(bodies[b], keys[b].data_ptr<float>() + h * keys[b].stride(0),
+                        values[b].data_ptr<float>() + h * values[b].stride(0), keys[b].size(1),
+                        qp + (b * Hq + h * G) * D, op + (b * Hq + h * G) * D, h, G, D, group, s,
+                        w);
     }
   });
 }
 
+}  // namespace
+
+// bodies: per row, the six tensors of its packed KIVI body, or none; bits 0 when no row has one.
+void draft_decode(const at::Tensor& q, const std::vector<at::Tensor>& keys,
+                  const std::vector<at::Tensor>& values,
+                  const std::vector<std::vector<at::Tensor>>& bodies, int64_t bits, int64_t group,
+                  at::Tensor& out, double scale) {
+  TORCH_CHECK(q.device().is_cpu() && q.scalar_type() == at::kFloat && q.dim() == 3 &&
+                  q.is_contiguous(), "q: a contiguous float32 CPU tensor [B, H_q, D] is required");
+  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
+  TORCH_CHECK(static_cast<int64_t>(keys.size()) == B && static_cast<int64_t>(values.size()) == B &&
+                  static_cast<int64_t>(bodies.size()) == B,
+              "one keys view, one values view and one (maybe empty) body per row of q");
+  TORCH_CHECK(out.sizes() == q.sizes() && out.scalar_type() == at::kFloat && out.is_contiguous(),
+              "out: a contiguous float32 tensor shaped like q");
+  TORCH_CHECK(bits == 0 || bits == 2 || bits == 4 || bits == 8, "bits must be 0, 2, 4 or 8");
+  if (B == 0) return;
+  const int64_t Hkv = keys[0].size(0);
+  TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0, "H_q must be a multiple of H_kv");
+  TORCH_CHECK(D % 8 == 0, "head dim must be a multiple of 8");
+  std::vector<PackedBody> packed(B);
+  for (int64_t b = 0; b < B; ++b) {
+    check_view(keys[b], Hkv, D, "keys");
+    check_view(values[b], Hkv, D, "values");
+    TORCH_CHECK(keys[b].size(1) == values[b].size(1), "keys and values differ in length");
+    TORCH_CHECK(bits > 0 || bodies[b].empty(), "a packed body needs bits 2, 4 or 8");
+    if (!bodies[b].empty()) {
+      TORCH_CHECK(group > 0, "a packed body needs a key group of at least 1 token");
+      packed[b] = packed_body(bodies[b], Hkv, D, bits, group);
+    }
+  }
+  const float s = static_cast<float>(scale);
+  switch (bits) {
+    case 2: run_batch<2>(q, keys, values, packed, out, group, s); break;
+    case 4: run_batch<4>(q, keys, values, packed, out, group, s); break;
+    case 8: run_batch<8>(q, keys, values, packed, out, group, s); break;
+    default: run_batch<0>(q, keys, values, packed, out, group, s); break;
+  }
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("draft_decode", &draft_decode,
-        "Batched one-query decode attention of every row over its own KV view (float32, CPU)");
+        "Batched one-query decode attention of every row over its own view: an optional packed "
+        "KIVI body, then float32 tokens (CPU)");
 }
