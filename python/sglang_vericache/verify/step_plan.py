@@ -120,8 +120,7 @@ class StepPlanner:
             odd = self.costs.fits[ForwardKind.VERIFY].samples % 2  # chains of 2, 4, 2 drafts
             return StepDecision(self._cap(rows, self.min_drafts * (1 + odd)), "measuring drafting")
         plain_rate = self.plain_rate([*rows, *joining])
-        x, draft_rate = max(((x, self.draft_rate(rows, x)) for x in self._candidates(rows)),
-                            key=lambda pair: (pair[1], pair[0]))  # fmt: skip
+        x, draft_rate = self.best_draft(rows)
         drafting = draft_rate > plain_rate * (1.0 + self.config.margin)
         self._review_exploration(drafting)
         if self.decisions < self.next_exploration:
@@ -143,9 +142,6 @@ class StepPlanner:
         self._explored_against = None
         self.next_exploration = self.decisions + self.explore_interval
 
-    def _candidates(self, rows: Sequence[PlannedRow]) -> range:
-        return range(self.min_drafts, self._cap(rows, self.max_drafts) + 1)
-
     def _cap(self, rows: Sequence[PlannedRow], x: int) -> int:
         """Drafting past every row's ``remaining - 1`` cannot pay (the verify adds a token)."""
         most = max(r.remaining - 1 for r in rows if r.drafts)
@@ -155,14 +151,23 @@ class StepPlanner:
         seconds = self.costs.predict(ForwardKind.PLAIN, plain_shape(rows))
         return len(rows) / max(seconds or 0.0, 1e-9)
 
-    def draft_rate(self, rows: Sequence[PlannedRow], x: int) -> float:
-        seconds = 0.0
-        for j in range(x):
-            seconds += self.costs.predict(ForwardKind.DRAFT, draft_shape(rows, j)) or 0.0
-        seconds += self.costs.predict(ForwardKind.VERIFY, verify_shape(rows, x + 1)) or 0.0
-        committed = sum(expected_committed(r.alpha, min(x, max(0, r.remaining - 1)))
-                        if r.drafts else 1.0 for r in rows)  # fmt: skip
-        return committed / max(seconds, 1e-9)
+    def best_draft(self, rows: Sequence[PlannedRow]) -> tuple[int, float]:
+        """The draft count in [min_drafts, cap] of the highest predicted rate (the longer on a
+        tie), and that rate. One pass over the chain: x drafts cost the first x draft forwards,
+        summed as x grows, and a verify of width x + 1 (a plan runs every decode step)."""
+        best_x, best_rate, drafting = self.min_drafts, -1.0, 0.0
+        for x in range(1, self._cap(rows, self.max_drafts) + 1):
+            drafting += self.costs.predict(ForwardKind.DRAFT, draft_shape(rows, x - 1)) or 0.0
+            if x < self.min_drafts:
+                continue
+            seconds = drafting + (self.costs.predict(ForwardKind.VERIFY, verify_shape(rows, x + 1))
+                                  or 0.0)  # fmt: skip
+            committed = sum(expected_committed(r.alpha, min(x, max(0, r.remaining - 1)))
+                            if r.drafts else 1.0 for r in rows)  # fmt: skip
+            rate = committed / max(seconds, 1e-9)
+            if rate >= best_rate:
+                best_x, best_rate = x, rate
+        return best_x, best_rate
 
 
 def plain_shape(rows: Sequence[PlannedRow]) -> ForwardShape:

@@ -284,3 +284,25 @@ def test_a_waiting_request_turns_a_marginal_draft_into_plain_decoding_with_it() 
 def test_cost_fit_reach_must_be_at_least_one() -> None:
     with pytest.raises(ValueError):
         CostFitConfig(reach=0.5)
+
+
+@pytest.mark.parametrize("context, alpha, remaining", [(6300, 0.9, 256), (1000, 0.6, 256),
+                                                       (8000, 0.98, 4), (300, 0.99, 64)])
+def test_best_draft_is_the_best_of_every_chain_length(context, alpha, remaining) -> None:
+    """The one-pass search equals pricing each x on its own: x draft forwards + a verify of
+    width x + 1, expected commits per row."""
+    from sglang_vericache.verify.policy import expected_committed
+
+    planner = trained_planner(max_drafts=16)
+    planner.min_drafts = 2
+    rows = batch(3, context, alpha=alpha, remaining=remaining)
+
+    def rate(x: int) -> float:
+        seconds = sum(planner.costs.predict(ForwardKind.DRAFT, draft_shape(rows, j))
+                      for j in range(x)) + planner.costs.predict(ForwardKind.VERIFY,
+                                                                 verify_shape(rows, x + 1))  # fmt: skip
+        return sum(expected_committed(alpha, min(x, remaining - 1)) for _ in rows) / seconds
+
+    top = max(range(2, min(16, max(2, remaining - 1)) + 1), key=lambda x: (rate(x), x))
+    x, best = planner.best_draft(rows)
+    assert x == top and best == pytest.approx(rate(top), rel=1e-12)
