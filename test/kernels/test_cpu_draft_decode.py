@@ -103,6 +103,8 @@ def test_packed_bodies_are_refused_where_the_kernel_cannot_read_them(kernel) -> 
     q = torch.randn(2, 4, 16)
     two, four = Kivi(bits=2).quantize(keys, values), Kivi(bits=4).quantize(keys, values)
     tail = [keys[:, :1], keys[:, :1]]
+    assert kernel.accepts(q, tail, tail, [four, four]) and kernel.accepts(q, tail, tail, [None, two])
+    assert not kernel.accepts(q, tail, tail, [two, four])  # one format a call: the caller dequantizes
     with pytest.raises(ValueError, match="share bits and group"):
         kernel(q, tail, tail, 0.25, [two, four])
     cut = Kivi(bits=4).quantize(keys, values)

@@ -222,6 +222,27 @@ def test_draft_plan_equals_attention_over_view_and_chain(pool, spec: str, batche
     assert plan.view_tokens[2] == 0 and plan.view_tokens[0] == states[0].view_tokens
 
 
+def test_a_packed_body_the_kernel_refuses_is_dequantized(pool) -> None:
+    """Where the kernel turns a batch down (here: a float64 query) the per-row path reads each
+    packed KIVI body dequantized, and attends as the reference does."""
+    from sglang_vericache.ops.cpu_draft_decode import load_cpu_draft_decode
+    from sglang_vericache.srt.draft_attention import DraftPlan
+    from sglang_vericache.srt.draft_state import RequestDraftState
+
+    kernel = load_cpu_draft_decode()
+    assert kernel is not None, "the CPU draft-attention kernel did not build"
+    state = RequestDraftState.build(build_compressor("kivi:bits=4"),
+                                    layer_reader(pool, torch.arange(T)), T,
+                                    [None] * LAYERS, LAYERS)  # fmt: skip
+    assert state.layers[0].compressed.block is not None
+    plan = DraftPlan([T], [state], drafts=1, kernel=kernel)
+    q = torch.randn(1, H_Q, D, dtype=torch.float64)
+    chain = [torch.arange(200, 201)]
+    got = plan.attend(q, 0, pool[0][0], pool[0][1], chain, 0.25)
+    want = _reference_draft_attention(q[0].float(), state, pool, 0, chain[0])
+    torch.testing.assert_close(got[0].float(), want, rtol=1e-5, atol=1e-5)
+
+
 def test_torch_row_assignment_matches_the_kernel_contract() -> None:
     from sglang_vericache.srt.patches import assign_rows_torch
 

@@ -59,10 +59,17 @@ class CpuDraftDecode:
     module: Any
 
     @staticmethod
-    def accepts(q: Tensor, keys: Sequence[Tensor], values: Sequence[Tensor]) -> bool:
+    def accepts(q: Tensor, keys: Sequence[Tensor], values: Sequence[Tensor],
+                bodies: Sequence[KiviBlock | None] = ()) -> bool:  # fmt: skip
         """Whether ``__call__`` takes these: float32 on the CPU, each view's tokens contiguous
-        (a quantized body's concatenation and a compressed cache's buffer both are)."""
+        (a quantized body's concatenation and a compressed cache's buffer both are), packed
+        bodies of one format (``accepts_body``; one bit width and key group)."""
         if q.device.type != "cpu" or q.dtype != torch.float32:
+            return False
+        packed = [b for b in bodies if b is not None]
+        if len({(b.bits, b.group) for b in packed}) > 1:
+            return False
+        if not all(CpuDraftDecode.accepts_body(b) for b in packed):
             return False
         d = q.shape[-1]
         return all(t.device.type == "cpu" and t.dtype == torch.float32 and t.stride(2) == 1

@@ -89,9 +89,10 @@ class DraftPlan:
             keys[:, at : at + n] = chain_k  # scratch after the view: not part of it
             values[:, at : at + n] = chain_v
             return None, keys[:, : at + n], values[:, : at + n], 0
-        body, (rk, rv) = cache.packed_view_parts()
-        if body is None or self.kernel is None or not self.kernel.accepts_body(body):
-            (bk, bv), (wk, wv) = cache.view_parts()  # dequantized: the whole view in full
+        if self.kernel is not None and self.kernel.accepts_body(cache.compressed.block):
+            body, (rk, rv) = cache.packed_view_parts()
+        else:  # dequantized: the whole view in full precision
+            (bk, bv), (wk, wv) = cache.view_parts()
             body, rk, rv = None, torch.cat([bk, wk], dim=1), torch.cat([bv, wv], dim=1)
         keys, values = torch.cat([rk, chain_k], dim=1), torch.cat([rv, chain_v], dim=1)
         return body, keys, values, 2 * keys.numel() * keys.element_size()
@@ -111,7 +112,7 @@ class DraftPlan:
         bodies = [body for body, _, _, _ in rows]
         keys, values = [k for _, k, _, _ in rows], [v for _, _, v, _ in rows]
         self.transient_bytes = max(self.transient_bytes, sum(copied for *_, copied in rows))
-        if self.kernel is not None and self.kernel.accepts(q, keys, values):
+        if self.kernel is not None and self.kernel.accepts(q, keys, values, bodies):
             return self.kernel(q, keys, values, scale, bodies)
         out = q.new_empty((q.shape[0], q.shape[1], value_buffer.shape[-1]))
         gqa = q.shape[1] != key_buffer.shape[1]
