@@ -224,14 +224,14 @@ class CompressedLayerCache:
         more of its own (a quantized body is dequantized; a dropper's is its stored tensors)."""
         return self._compressed.dequantize(), (self._keys, self._values)
 
-    def packed_view_parts(self) -> tuple[QuantizedBlock | None, tuple[Tensor, Tensor]]:
-        """(quantized block or None, (keys, values) [H_kv, n, D] of the view's tokens after it):
-        ``view_parts`` for a reader of packed codes (``ops/cpu_draft_decode.py``), which leaves
-        the block as stored; the full-precision tokens (the body's unquantized residual, then
-        the window) are concatenated, a few dozen tokens."""
+    def packed_view_parts(self) -> tuple[QuantizedBlock | None, tuple[Tensor, Tensor],
+                                         tuple[Tensor, Tensor]]:  # fmt: skip
+        """(quantized block or None, (residual keys, residual values), (window keys, window
+        values)), each [H_kv, n, D] in the KV dtype: ``view_parts`` for a reader of packed codes
+        (``ops/cpu_draft_decode.py``), the block as stored and the body's unquantized residual
+        apart, so the caller joins the full-precision tokens once, with its own."""
         c = self._compressed
-        return c.block, (torch.cat([c.residual_keys, self._keys], dim=1),
-                         torch.cat([c.residual_values, self._values], dim=1))  # fmt: skip
+        return c.block, (c.residual_keys, c.residual_values), (self._keys, self._values)
 
     def view(self) -> tuple[Tensor, Tensor, Tensor]:
         """(keys, values [H_kv, T_view, D] in the KV dtype, positions [H_kv, T_view] int64)."""

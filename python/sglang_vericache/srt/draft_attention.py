@@ -90,11 +90,10 @@ class DraftPlan:
             values[:, at : at + n] = chain_v
             return None, keys[:, : at + n], values[:, : at + n], 0
         if self.kernel is not None and self.kernel.accepts_body(cache.compressed.block):
-            body, (rk, rv) = cache.packed_view_parts()
-        else:  # dequantized: the whole view in full precision
-            (bk, bv), (wk, wv) = cache.view_parts()
-            body, rk, rv = None, torch.cat([bk, wk], dim=1), torch.cat([bv, wv], dim=1)
-        keys, values = torch.cat([rk, chain_k], dim=1), torch.cat([rv, chain_v], dim=1)
+            body, (rk, rv), (wk, wv) = cache.packed_view_parts()
+        else:  # dequantized: the whole body in full precision
+            body, ((rk, rv), (wk, wv)) = None, cache.view_parts()
+        keys, values = torch.cat([rk, wk, chain_k], dim=1), torch.cat([rv, wv, chain_v], dim=1)
         return body, keys, values, 2 * keys.numel() * keys.element_size()
 
     def attend(self, q: Tensor, layer_id: int, key_buffer: Tensor, value_buffer: Tensor,
