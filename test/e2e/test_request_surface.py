@@ -164,6 +164,27 @@ def test_grammar_termination_under_ignore_eos_finishes_like_plain(
         assert got["meta_info"]["finish_reason"] == ref["meta_info"]["finish_reason"]
 
 
+def test_torch_profiler_traces_steps_and_the_server_keeps_serving(
+    plain_server, vericache_server, tmp_path
+) -> None:
+    """``POST /start_profile`` (SGLang's torch profiler) used to kill the scheduler on the CPU
+    platform (``srt/platform.py``): it traces a few steps, writes its trace, and serves on."""
+    for name, server in (("plain", plain_server), ("vericache", vericache_server)):
+        out = tmp_path / name
+        ask = {"output_dir": str(out), "num_steps": 2, "activities": ["CPU"]}
+        req = urllib.request.Request(server.url + "/start_profile", json.dumps(ask).encode(),
+                                     {"Content-Type": "application/json"})  # fmt: skip
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            assert resp.status == 200
+        generate(server, PROMPT, GREEDY)  # the profiled steps; it stops itself after two
+        deadline = time.monotonic() + 120
+        while not list(out.rglob("*.json*")) and time.monotonic() < deadline:
+            time.sleep(1.0)
+        assert list(out.rglob("*.json*")), f"{name}: no trace written under {out}"
+    ref, got = both(plain_server, vericache_server, PROMPT, GREEDY)
+    assert got["output_ids"] == ref["output_ids"]
+
+
 def tracked_when_idle(server, timeout: float = 60.0) -> float:
     """``vericache:tracked_requests`` once the server has no running request."""
     deadline = time.monotonic() + timeout

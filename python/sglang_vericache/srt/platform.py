@@ -107,6 +107,15 @@ class TorchCpuPlatform(CpuSRTPlatform):
     def get_kv_pool_cls(self, *, kind: KVPoolKind) -> type | None:
         return cpu_mha_pool_cls() if kind == "mha" else None
 
+    # SGLang's profiler asks an out-of-tree platform for its device's activity; the base class
+    # raises NotImplementedError, inside the scheduler, so ``POST /start_profile`` killed the
+    # server. On a CPU the device activity is the CPU's.
+    def get_torch_profiler_activity_str(self) -> str:
+        return "CPU"
+
+    def get_torch_profiler_activity(self) -> torch.profiler.ProfilerActivity:
+        return torch.profiler.ProfilerActivity.CPU
+
     def apply_server_args_defaults(self, server_args) -> None:
         if server_args.dtype == "auto":
             server_args.dtype = "float32"
