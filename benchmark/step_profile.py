@@ -17,7 +17,12 @@ Every output is compared with plain SGLang's, token by token.
 
     python benchmark/step_profile.py                               # B = 8, 5-7k prompts, 256 new
     python benchmark/step_profile.py --concurrency 8 16 --max-new-tokens 128
-    python benchmark/step_profile.py --concurrency 1 --rounds 3   # offload-only / VeriCache x 3
+    python benchmark/step_profile.py --concurrency 1 --rounds 7   # offload-only / VeriCache x 7
+
+Rounds after the first (``--rounds``) run offload-only and VeriCache with both servers up,
+taking turns on the same prompts (``interleaved_rounds``): servers started one after another
+differed by up to 30% in the very same code path (the plain decode step); taking turns, both
+meet the same load on these shared cores.
 
 Writes OUT.{json,md,png}; default OUT benchmark/results/step_profile.
 """
@@ -29,6 +34,9 @@ import json
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 from tqdm import tqdm
@@ -118,22 +126,29 @@ def tokens_at(timeline: list[tuple[float, int]], t: float) -> int:
 
 def serve(args_list: list[str], prompts: list[dict], max_new: int, log: Path,
           metrics: bool) -> dict:  # fmt: skip
-    extra = ["--enable-metrics"] if metrics else []
-    with SGLangServer(args_list + extra, log_path=log) as server:
-        scrape = (lambda: vericache_counters(server.url)) if metrics else None  # noqa: E731
-        window = Window(len(prompts), scrape, scrape)
-        rows = [{} for _ in prompts]
-        start = time.perf_counter()
-        threads = [threading.Thread(target=one_request,
-                                    args=(server.url, p["text"], max_new, window, rows[i]))
-                   for i, p in enumerate(prompts)]  # fmt: skip
-        with tqdm(total=len(threads), desc=log.stem) as bar:
-            for th in threads:
-                th.start()
-            for th in threads:
-                th.join()
-                bar.update()
-        wall = time.perf_counter() - start
+    """Start a server with ``args_list``, run the workload on it once, stop it."""
+    with SGLangServer(args_list + (["--enable-metrics"] if metrics else []),
+                      log_path=log) as server:  # fmt: skip
+        return run_workload(server, prompts, max_new, log, metrics)
+
+
+def run_workload(server: SGLangServer, prompts: list[dict], max_new: int, log: Path,
+                 metrics: bool) -> dict:  # fmt: skip
+    """Every prompt at once on a running ``server``; its decode window, rates and outputs."""
+    scrape = (lambda: vericache_counters(server.url)) if metrics else None  # noqa: E731
+    window = Window(len(prompts), scrape, scrape)
+    rows = [{} for _ in prompts]
+    start = time.perf_counter()
+    threads = [threading.Thread(target=one_request,
+                                args=(server.url, p["text"], max_new, window, rows[i]))
+               for i, p in enumerate(prompts)]  # fmt: skip
+    with tqdm(total=len(threads), desc=log.stem) as bar:
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+            bar.update()
+    wall = time.perf_counter() - start
     if not window.valid:
         raise RuntimeError(f"{log.stem}: no span with every request decoding (a request finished "
                            f"before the last one started: raise --max-new-tokens; see {log})")
@@ -151,6 +166,41 @@ def serve(args_list: list[str], prompts: list[dict], max_new: int, log: Path,
                                 for r in rows],  # fmt: skip
         "metrics": window.snapshots,
     }
+
+
+def flush_prefix_cache(url: str, timeout: float = 60.0) -> None:
+    """Empty a server's prefix cache (SGLang refuses with 400 while a request is still
+    finishing: retried until ``timeout``)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with urllib.request.urlopen(urllib.request.Request(url + "/flush_cache", b""),
+                                        timeout=60):  # fmt: skip
+                return
+        except urllib.error.HTTPError as exc:
+            if exc.code != 400 or time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+
+
+def interleaved_rounds(rounds: range, offload_args: list[str], vericache_args: list[str],
+                       prompts: list[dict], max_new: int, logs: Path) -> Iterator[tuple]:
+    """(round, offload-only run, VeriCache run) for each of ``rounds``, with both servers up at
+    once and taking turns (the order alternating, each prefix cache flushed first so every
+    prompt is prefilled anew): both meet the same load on the shared cores, where servers run
+    one after another differed by up to 30% in the same code (``benchmark/README.md``)."""
+    with (SGLangServer(offload_args + ["--enable-metrics"],
+                       log_path=logs / "offload-only-rounds.log") as offload_server,
+          SGLangServer(vericache_args + ["--enable-metrics"],
+                       log_path=logs / "vericache-rounds.log") as vericache_server):  # fmt: skip
+        for r in rounds:
+            turns = [(OFFLOAD_ONLY, offload_server), ("vericache", vericache_server)]
+            runs = {}
+            for name, server in turns if r % 2 else turns[::-1]:
+                flush_prefix_cache(server.url)
+                runs[name] = run_workload(server, prompts, max_new,
+                                          logs / f"{name}-round{r}.log", True)  # fmt: skip
+            yield r, runs[OFFLOAD_ONLY], runs["vericache"]
 
 
 def _diff(snap: dict, name: str) -> dict[str, float]:
@@ -215,9 +265,9 @@ def main() -> None:
                          "in full)")
     ap.add_argument("--seed", type=int, default=23, help="prompt set (not the tuning prompts)")
     ap.add_argument("--rounds", type=int, default=1,
-                    help="run offload-only and VeriCache alternately this many times (the first "
-                         "round is the profiled one): servers run one after another on shared "
-                         "cores, and alternating tells their noise from a real difference")
+                    help="rounds of offload-only against VeriCache (the first is the profiled "
+                         "one, its servers one after another); the later ones run with both "
+                         "servers up, taking turns, so both meet the same load on shared cores")
     ap.add_argument("--out", type=Path, default=REPO / "benchmark/results/step_profile")
     args = ap.parse_args()
 
@@ -248,12 +298,11 @@ def main() -> None:
         profiled = vericache_name(first, args.placements)
         out = summarize(b, runs, profiled)
         out["rounds"] = [round_row(0, runs[OFFLOAD_ONLY], runs[profiled], runs["plain"], b)]
-        for r in range(1, args.rounds):  # alternately, after the profiled round: same servers
-            offload = serve(offload_only, prompts, args.max_new_tokens,
-                            logs / f"offload-only-round{r}.log", True)
-            again = serve(drafted[first], prompts, args.max_new_tokens,
-                          logs / f"vericache-{first}-round{r}.log", True)
+        for r, offload, again in interleaved_rounds(range(1, args.rounds), offload_only,
+                                                    drafted[first], prompts,
+                                                    args.max_new_tokens, logs):  # fmt: skip
             out["rounds"].append(round_row(r, offload, again, runs["plain"], b))
+            write(report | {"runs": [*report["runs"], out]}, args.out)  # progress so far
         report["runs"].append(out)
         write(report, args.out)
 
