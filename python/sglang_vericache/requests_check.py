@@ -21,7 +21,10 @@ every other request with it:
   request shares the batch, the sampler draws from NaN probabilities and raises (found by the
   request fuzzer);
 - a parallel-sampling ``n`` so large that one request queues ``n`` copies and holds the
-  scheduler for hours (a hang for every other client).
+  scheduler for hours (a hang for every other client);
+- ``/start_expert_distribution_record`` (and its stop and dump) on a server started without
+  ``--expert-distribution-recorder-mode``: the scheduler's no-op recorder raises (found by
+  probing SGLang's admin endpoints).
 
 These functions decide, without SGLang, whether a request is one of those; each problem is a
 ``RequestError`` (a ``ValueError``, which SGLang's HTTP layer turns into a 400 carrying the
@@ -171,3 +174,14 @@ def check_batch(text: Any, input_ids: Any, vocab_size: int,
     the earlier ones started)."""
     for field, ids in batch_prompts(text, input_ids, empty_text_ids):
         check_prompt_ids(ids, vocab_size, field=field)
+
+
+def check_expert_recording(recorder_mode: Any) -> None:
+    """Expert-distribution recording (``/start_expert_distribution_record``, stop, dump) needs
+    a recorder chosen at start-up; without one SGLang's scheduler raises and exits."""
+    if recorder_mode is None:
+        raise RequestError("expert_distribution_record",
+                           "recording is off on this server: start it with "
+                           "--expert-distribution-recorder-mode (stat, stat_approx, per_pass or "
+                           "per_token) to record which experts an MoE model routes to")
+

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import time
+import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -181,6 +182,29 @@ def test_torch_profiler_traces_steps_and_the_server_keeps_serving(
         while not list(out.rglob("*.json*")) and time.monotonic() < deadline:
             time.sleep(1.0)
         assert list(out.rglob("*.json*")), f"{name}: no trace written under {out}"
+    ref, got = both(plain_server, vericache_server, PROMPT, GREEDY)
+    assert got["output_ids"] == ref["output_ids"]
+
+
+@pytest.mark.parametrize("path, body, names", [
+    ("/start_expert_distribution_record", None, "--expert-distribution-recorder-mode"),
+    ("/stop_expert_distribution_record", None, "--expert-distribution-recorder-mode"),
+    ("/dump_expert_distribution_record", None, "--expert-distribution-recorder-mode"),
+])  # fmt: skip
+def test_admin_requests_that_killed_the_scheduler_are_refused(
+    plain_server, vericache_server, path, body, names
+) -> None:
+    """Expert-distribution recording on a server without a recorder killed SGLang's scheduler:
+    now a 400 naming the flag (``srt/validation.py``), on both servers, and both keep
+    serving."""
+    data = b"" if body is None else json.dumps(body).encode()
+    for server in (plain_server, vericache_server):
+        req = urllib.request.Request(server.url + path, data, method="POST",
+                                     headers={"Content-Type": "application/json"})  # fmt: skip
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(req, timeout=60)
+        assert refused.value.code == 400
+        assert names in refused.value.read().decode()
     ref, got = both(plain_server, vericache_server, PROMPT, GREEDY)
     assert got["output_ids"] == ref["output_ids"]
 

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from sglang_vericache.requests_check import (
+    check_expert_recording,
     INT32_MAX,
     MAX_PARALLEL_SAMPLES,
     RequestError,
@@ -147,3 +148,12 @@ def test_a_long_prompt_is_checked_fast() -> None:
         check_prompt_ids(ids, VOCAB, field="input_ids")
         best = min(best, time.perf_counter() - t)
     assert best < 0.1
+
+
+def test_expert_recording_needs_a_recorder_mode() -> None:
+    """Without ``--expert-distribution-recorder-mode`` SGLang's scheduler raises and exits on
+    ``/start_expert_distribution_record``: refused, naming the flag."""
+    with pytest.raises(RequestError, match="--expert-distribution-recorder-mode"):
+        check_expert_recording(None)
+    check_expert_recording("stat")  # a server started with a recorder records
+

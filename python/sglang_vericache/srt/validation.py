@@ -18,6 +18,9 @@ checks. The plugin registers these hooks in every SGLang process, with or withou
   messages keep precedence), check the tokenized prompt (empty, ids out of vocabulary),
   ``top_logprobs_num`` and ``top_k``. This is the only check single requests get, and the one that sees
   what a text actually tokenizes to.
+- The admin endpoints that kill the scheduler (``ADMIN_CHECKS``: expert-distribution recording
+  without a recorder), on ``TokenizerControlMixin`` (AROUND). They are not generation, so the refusal is an ``HTTPException`` (400): SGLang's
+  handlers there map no ``ValueError``.
 """
 
 from __future__ import annotations
@@ -26,7 +29,9 @@ from collections.abc import Callable
 from typing import Any
 
 from sglang_vericache.requests_check import (
+    RequestError,
     check_batch,
+    check_expert_recording,
     check_parallel_samples,
     check_prompt_ids,
     check_sampling_params,
@@ -37,6 +42,19 @@ TOKENIZER_MANAGER = "sglang.srt.managers.tokenizer_manager.TokenizerManager"
 VALIDATE_TARGET = f"{TOKENIZER_MANAGER}._validate_one_request"
 BATCH_TARGET = f"{TOKENIZER_MANAGER}._handle_batch_request"
 PARALLEL_TARGET = "sglang.srt.managers.io_struct.GenerateReqInput._handle_parallel_sampling"
+CONTROL_MIXIN = "sglang.srt.managers.tokenizer_control_mixin.TokenizerControlMixin"
+
+
+def _expert_recording(manager: Any) -> None:
+    check_expert_recording(manager.server_args.expert_distribution_recorder_mode)
+
+
+# TokenizerControlMixin method -> the check its server must pass before SGLang forwards it
+ADMIN_CHECKS: dict[str, Callable[[Any], None]] = {
+    "start_expert_distribution_record": _expert_recording,
+    "stop_expert_distribution_record": _expert_recording,
+    "dump_expert_distribution_record": _expert_recording,
+}
 
 _EMPTY_TEXT_IDS = "_vericache_empty_text_ids"
 
@@ -109,9 +127,26 @@ def _parallel_sampling_after(result: Any, obj: Any, *args: Any, **kw: Any) -> An
     return result
 
 
+def _admin_around(check: Callable[[Any], None]) -> Callable[..., Any]:
+    """An AROUND hook that runs ``check(manager)`` first: a ``RequestError`` becomes HTTP 400."""
+
+    def around(original: Callable[..., Any], manager: Any, *args: Any, **kw: Any) -> Any:
+        try:
+            check(manager)
+        except RequestError as exc:
+            from fastapi import HTTPException
+
+            raise HTTPException(status_code=400, detail=str(exc)) from exc
+        return original(manager, *args, **kw)
+
+    return around
+
+
 def register_validation_hooks() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     HookRegistry.register(PARALLEL_TARGET, _parallel_sampling_after, HookType.AFTER)
     HookRegistry.register(BATCH_TARGET, _handle_batch_around, HookType.AROUND)
     HookRegistry.register(VALIDATE_TARGET, _validate_one_around, HookType.AROUND)
+    for method, check in ADMIN_CHECKS.items():
+        HookRegistry.register(f"{CONTROL_MIXIN}.{method}", _admin_around(check), HookType.AROUND)
