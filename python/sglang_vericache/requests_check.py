@@ -23,8 +23,10 @@ every other request with it:
 - a parallel-sampling ``n`` so large that one request queues ``n`` copies and holds the
   scheduler for hours (a hang for every other client);
 - ``/start_expert_distribution_record`` (and its stop and dump) on a server started without
-  ``--expert-distribution-recorder-mode``: the scheduler's no-op recorder raises (found by
-  probing SGLang's admin endpoints).
+  ``--expert-distribution-recorder-mode``: the scheduler's no-op recorder raises; and
+  ``/release_memory_occupation`` (and resume) on a host without an accelerator: the scheduler
+  synchronizes a CUDA device that is not there (both found by probing SGLang's admin
+  endpoints).
 
 These functions decide, without SGLang, whether a request is one of those; each problem is a
 ``RequestError`` (a ``ValueError``, which SGLang's HTTP layer turns into a 400 carrying the
@@ -185,3 +187,12 @@ def check_expert_recording(recorder_mode: Any) -> None:
                            "--expert-distribution-recorder-mode (stat, stat_approx, per_pass or "
                            "per_token) to record which experts an MoE model routes to")
 
+
+def check_memory_occupation(has_accelerator: bool) -> None:
+    """``/release_memory_occupation`` and ``/resume_memory_occupation`` hand device memory back
+    and take it again (torch_memory_saver, for RL weight syncs on a GPU); without an
+    accelerator SGLang's scheduler synchronizes a CUDA device that is not there and exits."""
+    if not has_accelerator:
+        raise RequestError("memory_occupation",
+                           "releasing and resuming memory occupation needs a GPU "
+                           "(torch_memory_saver hands device memory back); this server has none")

@@ -190,13 +190,15 @@ def test_torch_profiler_traces_steps_and_the_server_keeps_serving(
     ("/start_expert_distribution_record", None, "--expert-distribution-recorder-mode"),
     ("/stop_expert_distribution_record", None, "--expert-distribution-recorder-mode"),
     ("/dump_expert_distribution_record", None, "--expert-distribution-recorder-mode"),
+    ("/release_memory_occupation", {}, "needs a GPU"),
+    ("/resume_memory_occupation", {}, "needs a GPU"),
 ])  # fmt: skip
 def test_admin_requests_that_killed_the_scheduler_are_refused(
     plain_server, vericache_server, path, body, names
 ) -> None:
-    """Expert-distribution recording on a server without a recorder killed SGLang's scheduler:
-    now a 400 naming the flag (``srt/validation.py``), on both servers, and both keep
-    serving."""
+    """Expert-distribution recording on a server without a recorder, and releasing memory
+    occupation on a host without a GPU, killed SGLang's scheduler: now a 400 naming the problem
+    (``srt/validation.py``), on both servers, and both keep serving."""
     data = b"" if body is None else json.dumps(body).encode()
     for server in (plain_server, vericache_server):
         req = urllib.request.Request(server.url + path, data, method="POST",

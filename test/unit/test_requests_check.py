@@ -7,6 +7,7 @@ import pytest
 
 from sglang_vericache.requests_check import (
     check_expert_recording,
+    check_memory_occupation,
     INT32_MAX,
     MAX_PARALLEL_SAMPLES,
     RequestError,
@@ -157,3 +158,8 @@ def test_expert_recording_needs_a_recorder_mode() -> None:
         check_expert_recording(None)
     check_expert_recording("stat")  # a server started with a recorder records
 
+
+def test_memory_occupation_release_needs_an_accelerator() -> None:
+    with pytest.raises(RequestError, match="needs a GPU"):
+        check_memory_occupation(False)
+    check_memory_occupation(True)

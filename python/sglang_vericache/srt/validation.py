@@ -19,7 +19,9 @@ checks. The plugin registers these hooks in every SGLang process, with or withou
   ``top_logprobs_num`` and ``top_k``. This is the only check single requests get, and the one that sees
   what a text actually tokenizes to.
 - The admin endpoints that kill the scheduler (``ADMIN_CHECKS``: expert-distribution recording
-  without a recorder), on ``TokenizerControlMixin`` (AROUND). They are not generation, so the refusal is an ``HTTPException`` (400): SGLang's
+  without a recorder, memory-occupation release without an accelerator), on
+  ``TokenizerControlMixin`` (AROUND). The tokenizer process's ``server_args.device`` is still
+  None (the scheduler resolves it), so the device check asks torch. They are not generation, so the refusal is an ``HTTPException`` (400): SGLang's
   handlers there map no ``ValueError``.
 """
 
@@ -32,6 +34,7 @@ from sglang_vericache.requests_check import (
     RequestError,
     check_batch,
     check_expert_recording,
+    check_memory_occupation,
     check_parallel_samples,
     check_prompt_ids,
     check_sampling_params,
@@ -49,11 +52,19 @@ def _expert_recording(manager: Any) -> None:
     check_expert_recording(manager.server_args.expert_distribution_recorder_mode)
 
 
+def _memory_occupation(manager: Any) -> None:
+    import torch
+
+    check_memory_occupation(torch.accelerator.is_available())
+
+
 # TokenizerControlMixin method -> the check its server must pass before SGLang forwards it
 ADMIN_CHECKS: dict[str, Callable[[Any], None]] = {
     "start_expert_distribution_record": _expert_recording,
     "stop_expert_distribution_record": _expert_recording,
     "dump_expert_distribution_record": _expert_recording,
+    "release_memory_occupation": _memory_occupation,
+    "resume_memory_occupation": _memory_occupation,
 }
 
 _EMPTY_TEXT_IDS = "_vericache_empty_text_ids"
