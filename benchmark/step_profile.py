@@ -189,6 +189,8 @@ def interleaved_rounds(rounds: range, offload_args: list[str], vericache_args: l
     once and taking turns (the order alternating, each prefix cache flushed first so every
     prompt is prefilled anew): both meet the same load on the shared cores, where servers run
     one after another differed by up to 30% in the same code (``benchmark/README.md``)."""
+    if not rounds:  # --rounds 1: no server to start
+        return
     with (SGLangServer(offload_args + ["--enable-metrics"],
                        log_path=logs / "offload-only-rounds.log") as offload_server,
           SGLangServer(vericache_args + ["--enable-metrics"],
