@@ -21,8 +21,8 @@ checks. The plugin registers these hooks in every SGLang process, with or withou
 - The admin endpoints that kill the scheduler (``ADMIN_CHECKS``: expert-distribution recording
   without a recorder, memory-occupation release without an accelerator), on
   ``TokenizerControlMixin`` (AROUND). The tokenizer process's ``server_args.device`` is still
-  None (the scheduler resolves it), so the device check asks torch. They are not generation, so the refusal is an ``HTTPException`` (400): SGLang's
-  handlers there map no ``ValueError``.
+  None (the scheduler resolves it), so the device check asks torch. These are not generation,
+  so the refusal is an ``HTTPException`` (400): SGLang's handlers there map no ``ValueError``.
 """
 
 from __future__ import annotations
