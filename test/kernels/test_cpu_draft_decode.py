@@ -43,17 +43,19 @@ def test_kernel_matches_sdpa_over_views_of_wider_buffers(kernel, h_q: int, h_kv:
                                    rtol=1e-5, atol=1e-5)  # fmt: skip
 
 
-def test_kernel_takes_only_float32_cpu_views_with_contiguous_tokens(kernel) -> None:
+def test_kernel_takes_only_float32_cpu_views_with_contiguous_channels(kernel) -> None:
     q = torch.randn(1, 4, 16)
     pool = torch.randn(10, 2, 16)  # [slots, H_kv, D]: a gather transposed has strided tokens
     strided = pool[torch.tensor([1, 4, 5])].transpose(0, 1)
-    assert not kernel.accepts(q, [strided], [strided])
+    assert kernel.accepts(q, [strided], [strided])  # the token stride is free
     assert kernel.accepts(q, [strided.contiguous()], [strided.contiguous()])
     half = strided.contiguous().half()
     assert not kernel.accepts(q, [half], [half])
     assert not kernel.accepts(q.double(), [strided.contiguous()], [strided.contiguous()])
-    with pytest.raises(RuntimeError, match="token rows must be contiguous"):
-        kernel(q, [strided], [strided], 0.25)  # a caller that skips ``accepts`` gets an error
+    channels = torch.randn(2, 16, 3).transpose(1, 2)  # [2, 3, 16], channels 3 apart
+    assert not kernel.accepts(q, [channels], [channels])
+    with pytest.raises(RuntimeError, match="channels must be contiguous"):
+        kernel(q, [channels], [channels], 0.25)  # a caller that skips ``accepts`` gets an error
 
 
 def _packed_rows(bits: int, lengths: list[int], tail: int, h_kv: int, d: int, seed: int):
@@ -115,3 +117,106 @@ def test_packed_bodies_are_refused_where_the_kernel_cannot_read_them(kernel) -> 
     with pytest.raises(RuntimeError, match="multiple of group"):
         kernel(q[:1], tail[:1], tail[:1], 0.25,
                [type(cut)(4, 32, *(t[:, :48] for t in cut.stored_tensors()))])
+
+
+def _pool(slots: int, h_kv: int, d: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's key and value buffers of SGLang's KV pool: [S, H_kv, D] float32, slot-major."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(slots, h_kv, d, generator=g), torch.randn(slots, h_kv, d, generator=g)
+
+
+def _slots(slots: int, n: int, seed: int) -> torch.Tensor:
+    """``n`` distinct slots out of ``slots``, unordered and scattered, as a pool hands them out."""
+    return torch.randperm(slots, generator=torch.Generator().manual_seed(seed))[:n]
+
+
+@pytest.mark.parametrize("h_q, h_kv, d", [(9, 3, 64), (4, 4, 32), (8, 2, 16)])
+def test_indexed_rows_read_pool_slots_in_place(kernel, h_q: int, h_kv: int, d: int) -> None:
+    """A row indexed into the pool's buffer (transposed, tokens H_kv * D apart) attends as a
+    dense row over the gathered tokens does."""
+    k_buf, v_buf = _pool(4096, h_kv, d, h_q + d)
+    lengths = [700, 1, 0, 33, 1500]
+    index = [_slots(4096, t, i) for i, t in enumerate(lengths)]
+    keys, values = [k_buf.transpose(0, 1)] * len(lengths), [v_buf.transpose(0, 1)] * len(lengths)
+    assert keys[0].stride() == (d, h_kv * d, 1)
+    q = torch.randn(len(lengths), h_q, d, generator=torch.Generator().manual_seed(d))
+    assert kernel.accepts(q, keys, values, index=index)
+    got = kernel(q, keys, values, 0.125, index=index)
+    gathered_k = [k_buf[i].transpose(0, 1).contiguous() for i in index]
+    gathered_v = [v_buf[i].transpose(0, 1).contiguous() for i in index]
+    dense = kernel(q, gathered_k, gathered_v, 0.125)
+    for i in range(len(lengths)):
+        torch.testing.assert_close(got[i], dense[i], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got[i], _sdpa(q[i], gathered_k[i], gathered_v[i], 0.125),
+                                   rtol=1e-5, atol=1e-5)  # fmt: skip
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_batch_mixing_indexed_dense_and_packed_rows(kernel, bits: int) -> None:
+    """Indexed rows, dense rows and packed bodies followed by indexed or dense float tokens, in
+    one call (GQA as SmolLM2-135M: H_q 9, H_kv 3, D 64)."""
+    h_q, h_kv, d = 9, 3, 64
+    bodies, dense_k, dense_v, whole = _packed_rows(bits, [0, 0, 64, 256, 0], 20, h_kv, d, bits)
+    k_buf, v_buf = _pool(1000, h_kv, d, bits + 1)
+    pool_k, pool_v = k_buf.transpose(0, 1), v_buf.transpose(0, 1)
+    # rows: 0 indexed, 1 dense, 2 packed body + indexed, 3 packed body + dense, 4 indexed empty
+    index = [_slots(1000, 300, 0), None, _slots(1000, 45, 2), None,
+             torch.empty(0, dtype=torch.int64)]  # fmt: skip
+    keys = [pool_k, dense_k[1], pool_k, dense_k[3], pool_k]
+    values = [pool_v, dense_v[1], pool_v, dense_v[3], pool_v]
+    refs = []
+    for b, (body, slots) in enumerate(zip(bodies, index)):
+        if slots is None:
+            refs.append(whole[b])
+            continue
+        bk, bv = body.dequantize() if body is not None else (pool_k[:, :0], pool_v[:, :0])
+        refs.append((torch.cat([bk, k_buf[slots].transpose(0, 1)], dim=1),
+                     torch.cat([bv, v_buf[slots].transpose(0, 1)], dim=1)))  # fmt: skip
+    q = torch.randn(len(keys), h_q, d, generator=torch.Generator().manual_seed(bits))
+    assert kernel.accepts(q, keys, values, bodies, index)
+    got = kernel(q, keys, values, 0.125, bodies, index)
+    for i, (k, v) in enumerate(refs):
+        torch.testing.assert_close(got[i], _sdpa(q[i], k, v, 0.125), rtol=1e-4, atol=1e-4)
+
+
+def test_dense_row_reads_a_strided_run_of_the_pool(kernel) -> None:
+    """A dense row may be a run of consecutive pool slots: [H_kv, T, D], tokens H_kv * D apart."""
+    h_q, h_kv, d = 9, 3, 64
+    k_buf, v_buf = _pool(600, h_kv, d, 5)
+    keys = [k_buf[100:612].transpose(0, 1), k_buf[7:8].transpose(0, 1)]
+    values = [v_buf[100:612].transpose(0, 1), v_buf[7:8].transpose(0, 1)]
+    assert keys[0].stride() == (d, h_kv * d, 1)
+    q = torch.randn(2, h_q, d, generator=torch.Generator().manual_seed(6))
+    assert kernel.accepts(q, keys, values)
+    got = kernel(q, keys, values, 0.125)
+    for i in range(2):
+        torch.testing.assert_close(got[i], _sdpa(q[i], keys[i], values[i], 0.125),
+                                   rtol=1e-5, atol=1e-5)  # fmt: skip
+
+
+def test_indices_are_checked_before_any_read(kernel) -> None:
+    k_buf, v_buf = _pool(50, 2, 16, 7)
+    q = torch.randn(2, 4, 16)
+    keys, values = [k_buf.transpose(0, 1)] * 2, [v_buf.transpose(0, 1)] * 2
+    good = torch.tensor([3, 49, 0])
+    for bad in (torch.tensor([3, 50, 0]), torch.tensor([-1, 2])):
+        assert kernel.accepts(q, keys, values, index=[good, bad])  # bounds: the call's check
+        with pytest.raises(RuntimeError, match="slots must lie in"):
+            kernel(q, keys, values, 0.25, index=[good, bad])
+    with pytest.raises(RuntimeError, match="int64"):  # a caller that skips ``accepts``
+        kernel(q, keys, values, 0.25, index=[good, good.int()])
+    with pytest.raises(RuntimeError, match="one entry"):
+        kernel(q, keys, values, 0.25, index=[good])
+
+
+def test_accepts_only_contiguous_int64_cpu_indices(kernel) -> None:
+    k_buf, v_buf = _pool(50, 2, 16, 8)
+    q = torch.randn(2, 4, 16)
+    keys, values = [k_buf.transpose(0, 1)] * 2, [v_buf.transpose(0, 1)] * 2
+    good = torch.tensor([3, 49, 0, 7])
+    assert kernel.accepts(q, keys, values, index=[good, None])
+    assert kernel.accepts(q, keys, values, index=[None, None])
+    assert not kernel.accepts(q, keys, values, index=[good, good.int()])
+    assert not kernel.accepts(q, keys, values, index=[good, good[::2]])  # strided
+    assert not kernel.accepts(q, keys, values, index=[good, good[None]])  # 2-D
+    assert not kernel.accepts(q, keys, values, index=[good])  # one entry per row

@@ -7,8 +7,15 @@ OpenMP region over only H_kv x 1 work items; between two calls the threads go to
 every (row, KV head) pair of a layer in one region, reading each view where it lies::
 
     bodies[b]            a KIVI-packed body (``compress/kivi.KiviBlock``), or None
-    keys[b], values[b]   [H_kv, T_b, D] float32, strides [*, D, 1]  (a view of a wider buffer)
+    keys[b], values[b]   [H_kv, T_b, D] float32, strides [*, *, 1]  (a view of a wider buffer)
+    index[b]             None, or [T_b'] int64: the columns of keys[b], values[b] read, in order
     q, out               [B, H_q, D] float32, contiguous
+
+An indexed row is paged attention with pages of one token: a view kept as slots of SGLang's KV
+pool passes the layer's slot-major buffer [S, H_kv, D] transposed (token stride H_kv * D) and its
+slots, and the kernel reads those slots in place instead of attending over a gathered copy
+(prefetched a few tokens ahead: a run of slots reads as fast as a contiguous view, random slots
+in about 1.6x its time).
 
 Measured on 2 AVX2 cores, 8 rows x 1.4-2k-token views x 30 layers: the SDPA loop took 100-107 ms
 per forward, this kernel 50 ms (the views' bytes at ~13 GB/s: DRAM-bound).
@@ -61,20 +68,29 @@ class CpuDraftDecode:
 
     @staticmethod
     def accepts(q: Tensor, keys: Sequence[Tensor], values: Sequence[Tensor],
-                bodies: Sequence[KiviBlock | None] = ()) -> bool:  # fmt: skip
-        """Whether ``__call__`` takes these: float32 on the CPU, each view's tokens contiguous
-        (a quantized body's concatenation and a compressed cache's buffer both are), packed
-        bodies of one format (``accepts_body``; one bit width and key group)."""
+                bodies: Sequence[KiviBlock | None] = (),
+                index: Sequence[Tensor | None] | None = None) -> bool:  # fmt: skip
+        """Whether ``__call__`` takes these: float32 on the CPU, each token's channels
+        contiguous (the token stride is free: a compressed cache's buffer and a pool's slot-major
+        buffer transposed both qualify), packed bodies of one format (``accepts_body``; one bit
+        width and key group), each row's index None or a contiguous 1-D int64 CPU tensor (its
+        bounds are checked by the call, which raises on a slot outside the view)."""
         if q.device.type != "cpu" or q.dtype != torch.float32:
             return False
+        if index is not None:
+            if len(index) != len(keys):
+                return False
+            if not all(i is None or (i.dtype == torch.int64 and i.device.type == "cpu"
+                                     and i.dim() == 1 and i.is_contiguous())
+                       for i in index):  # fmt: skip
+                return False
         packed = [b for b in bodies if b is not None]
         if len({(b.bits, b.group) for b in packed}) > 1:
             return False
         if not all(CpuDraftDecode.accepts_body(b) for b in packed):
             return False
-        d = q.shape[-1]
-        return all(t.device.type == "cpu" and t.dtype == torch.float32 and t.stride(2) == 1
-                   and (t.shape[1] <= 1 or t.stride(1) == d) for t in (*keys, *values))  # fmt: skip
+        return all(t.device.type == "cpu" and t.dtype == torch.float32 and t.dim() == 3
+                   and t.stride(2) == 1 for t in (*keys, *values))  # fmt: skip
 
     @staticmethod
     def accepts_body(body: Any) -> bool:
@@ -85,10 +101,13 @@ class CpuDraftDecode:
                 and body.packed_keys.device.type == "cpu")  # fmt: skip
 
     def __call__(self, q: Tensor, keys: Sequence[Tensor], values: Sequence[Tensor], scale: float,
-                 bodies: Sequence[KiviBlock | None] | None = None) -> Tensor:  # fmt: skip
+                 bodies: Sequence[KiviBlock | None] | None = None,
+                 index: Sequence[Tensor | None] | None = None) -> Tensor:  # fmt: skip
         """softmax(q_b K_b^T * scale) V_b for every row b, grouped-query heads (H_q a multiple
-        of H_kv). q: [B, H_q, D]; keys[b], values[b]: [H_kv, T_b, D], after ``bodies[b]``'s
-        tokens where it has one (``accepts_body``; all of one bit width and key group).
+        of H_kv). q: [B, H_q, D]; keys[b], values[b]: [H_kv, T_b, D] (any token stride), after
+        ``bodies[b]``'s tokens where it has one (``accepts_body``; all of one bit width and key
+        group). Where ``index[b]`` is given ([T'] int64, slots < T_b, any order), row b's float
+        tokens are keys[b][:, index[b]] and values[b][:, index[b]], read in place.
         Returns [B, H_q, D]."""
         q = q.contiguous()
         out = torch.empty_like(q)
@@ -98,7 +117,8 @@ class CpuDraftDecode:
         if any((b.bits, b.group) != (bits, group) for b in packed):
             raise ValueError("CpuDraftDecode: packed bodies of one call share bits and group")
         parts = [[] if b is None else list(b.stored_tensors()) for b in bodies]
-        self.module.draft_decode(q, list(keys), list(values), parts, bits, group, out,
+        slots = [] if index is None else list(index)  # [] : every row dense
+        self.module.draft_decode(q, list(keys), list(values), parts, slots, bits, group, out,
                                  float(scale))  # fmt: skip
         return out
 
@@ -112,8 +132,8 @@ def load_cpu_draft_decode() -> CpuDraftDecode | None:
     started = time.perf_counter()
     logger.info("building the CPU draft-attention kernel for %s (about 30 s the first time, "
                 "cached after)", capability)  # fmt: skip
-    try:
-        module = load(name=f"vericache_draft_decode_{capability}", sources=[str(SOURCE)],
+    try:  # _v2: the index argument; a stale build of the old signature is never loaded
+        module = load(name=f"vericache_draft_decode_{capability}_v2", sources=[str(SOURCE)],
                       extra_cflags=list(CFLAGS), verbose=False)  # fmt: skip
     except Exception as exc:  # no compiler, no ninja, a read-only cache: the SDPA loop serves
         logger.warning("CPU draft-attention kernel unavailable (%s: %s); drafts attend with "

@@ -8,6 +8,15 @@
 //   tokens of row b   | packed body: n_q tokens | float32: T_f tokens |
 //   logits column     0                        n_q                  n_q + T_f
 //
+// The float32 tokens are a dense row's columns 0 .. T_f - 1 of keys[b] and values[b], or an
+// indexed row's columns index[b][0 .. T_f - 1] (paged attention with pages of one token): a view
+// kept as slots of SGLang's KV pool is read there, in the order its index gives, with no gather:
+//
+//   pool buffer       [S, H_kv, D] float32 (slot-major), keys[b] = buffer.transpose(0, 1)
+//                     = [H_kv, S, D], strides [D, H_kv * D, 1]
+//   index[b]          [T_f] int64: s_0, s_1, ..., s_{T_f - 1}   (any order, each < S)
+//   float token t     keys[b][h, s_t], values[b][h, s_t]        at base + s_t * token stride
+//
 // Per work item (row b, KV head h), for its G = H_q / H_kv query heads, in float32:
 //
 //   pass 1   logits[j][t] = scale * <q[b, h*G + j], K[h, t]>      one read of K[h]
@@ -19,9 +28,11 @@
 // A packed value is code * vs[t] + vz[t] per token, so pass 3 adds p * vs[t] * code and, once
 // per head, sum_t p * vz[t].
 //
-// Float tokens are read where they lie: [H_kv, T, D] with a unit stride on D and a stride of D on
-// T (a compressed cache's buffer, sliced to its view and chain); the head stride is free. Packed
-// tensors (``compress/kivi.KiviBlock``): codes [H_kv, n, D * bits / 8] uint8, key scale/zero
+// Float tokens are read where they lie: [H_kv, T, D] with a unit stride on D, the token and head
+// strides free (a compressed cache's buffer sliced to its view and chain, or a pool's slot-major
+// buffer transposed, whose tokens are H_kv * D apart); an index is bounds-checked once per row
+// against T, so a bad slot raises instead of reading outside the buffer. Packed tensors
+// (``compress/kivi.KiviBlock``): codes [H_kv, n, D * bits / 8] uint8, key scale/zero
 // [H_kv, n / group, D], value scale/zero [H_kv, n, 1], float32, each with contiguous tokens.
 
 #include <torch/extension.h>
@@ -31,6 +42,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 namespace {
@@ -40,8 +52,41 @@ void check_view(const at::Tensor& t, int64_t heads, int64_t dim, const char* nam
               name, ": a float32 CPU tensor is required");
   TORCH_CHECK(t.dim() == 3 && t.size(0) == heads && t.size(2) == dim,
               name, ": [H_kv, T, D] expected, got ", t.sizes());
-  TORCH_CHECK(t.stride(2) == 1 && (t.size(1) <= 1 || t.stride(1) == dim),
-              name, ": the token rows must be contiguous (strides [*, D, 1])");
+  TORCH_CHECK(t.stride(2) == 1, name,
+              ": each token's channels must be contiguous (strides [*, *, 1])");
+}
+
+// One row's float32 tokens: where keys and values lie, and which of their columns are read.
+struct FloatView {
+  const float* keys = nullptr;
+  const float* values = nullptr;
+  int64_t key_head = 0, value_head = 0, key_token = 0, value_token = 0;
+  int64_t n = 0;                   // tokens attended: T, or the index's length
+  const int64_t* index = nullptr;  // null: columns 0 .. n - 1; else columns index[0 .. n - 1]
+};
+
+FloatView float_view(const at::Tensor& keys, const at::Tensor& values,
+                     const std::optional<at::Tensor>& index) {
+  FloatView view;
+  view.keys = keys.data_ptr<float>();
+  view.values = values.data_ptr<float>();
+  view.key_head = keys.stride(0);
+  view.value_head = values.stride(0);
+  view.key_token = keys.stride(1);
+  view.value_token = values.stride(1);
+  view.n = keys.size(1);
+  if (!index.has_value()) return view;
+  const at::Tensor& idx = *index;
+  TORCH_CHECK(idx.device().is_cpu() && idx.scalar_type() == at::kLong && idx.dim() == 1 &&
+                  idx.is_contiguous(), "index: a contiguous 1-D int64 CPU tensor is required");
+  view.n = idx.numel();
+  view.index = idx.data_ptr<int64_t>();
+  if (view.n == 0) return view;
+  // Once per row, here, so the parallel region reads no slot it was not checked for.
+  const auto [lo, hi] = std::minmax_element(view.index, view.index + view.n);
+  TORCH_CHECK(*lo >= 0 && *hi < keys.size(1), "index: slots must lie in [0, ", keys.size(1),
+              "), got [", *lo, ", ", *hi, "]");
+  return view;
 }
 
 void check_rows(const at::Tensor& t, c10::ScalarType dtype, int64_t heads, int64_t tokens,
@@ -188,11 +233,25 @@ void accumulate_packed(const PackedBody& body, int64_t h, int64_t G, int64_t D, 
   }
 }
 
+// Scattered tokens (an index's slots, or a pool's run whose tokens are H_kv * D floats apart) are
+// reads the hardware prefetcher does not follow: each token's lines are requested AHEAD tokens
+// before they are read, so their fetches overlap the arithmetic on the tokens before them.
+// Measured (8 rows x 6k tokens, H_kv 3, D 64, 2 cores): without it a pool's run of slots took 3x
+// the time of contiguous tokens and random slots 4.4x; with it, 1x and 1.6x. 16 ahead: no better.
+constexpr int64_t AHEAD = 8;
+
+inline void prefetch_token(const float* p, int64_t D) {
+  for (int64_t d = 0; d < D; d += 64 / sizeof(float)) __builtin_prefetch(p + d);
+}
+
 template <int BITS>
-void attend_item(const PackedBody& body, const float* kp, const float* vp, int64_t Tf,
-                 const float* qh, float* oh, int64_t h, int64_t G, int64_t D, int64_t group,
-                 float s, Scratch& w) {
-  const int64_t nq = body.n, T = nq + Tf;
+void attend_item(const PackedBody& body, const FloatView& view, const float* qh, float* oh,
+                 int64_t h, int64_t G, int64_t D, int64_t group, float s, Scratch& w) {
+  const int64_t nq = body.n, Tf = view.n, T = nq + Tf;
+  const float* kp = view.keys + h * view.key_head;
+  const float* vp = view.values + h * view.value_head;
+  const int64_t* idx = view.index;
+  const bool scattered = idx || view.key_token != D || view.value_token != D;
   if (T == 0) {  // nothing to attend over: zeros, as the reference gives
     std::fill(oh, oh + G * D, 0.f);
     return;
@@ -203,7 +262,9 @@ void attend_item(const PackedBody& body, const float* kp, const float* vp, int64
     if (nq) score_packed<BITS>(body, h, qh, G, D, group, T, s, w);
   }
   for (int64_t t = 0; t < Tf; ++t) {
-    const float* kt = kp + t * D;
+    const float* kt = kp + (idx ? idx[t] : t) * view.key_token;
+    if (scattered && t + AHEAD < Tf)
+      prefetch_token(kp + (idx ? idx[t + AHEAD] : t + AHEAD) * view.key_token, D);
     for (int64_t j = 0; j < G; ++j) {
       const float* qj = qh + j * D;
       float dot = 0.f;
@@ -228,7 +289,9 @@ void attend_item(const PackedBody& body, const float* kp, const float* vp, int64
     if (nq) accumulate_packed<BITS>(body, h, G, D, T, w);
   }
   for (int64_t t = 0; t < Tf; ++t) {
-    const float* vt = vp + t * D;
+    const float* vt = vp + (idx ? idx[t] : t) * view.value_token;
+    if (scattered && t + AHEAD < Tf)
+      prefetch_token(vp + (idx ? idx[t + AHEAD] : t + AHEAD) * view.value_token, D);
     for (int64_t j = 0; j < G; ++j) {
       const float p = w.logits[j * T + nq + t];
       float* aj = w.acc.data() + j * D;
@@ -243,10 +306,10 @@ void attend_item(const PackedBody& body, const float* kp, const float* vp, int64
 }
 
 template <int BITS>
-void run_batch(const at::Tensor& q, const std::vector<at::Tensor>& keys,
-               const std::vector<at::Tensor>& values, const std::vector<PackedBody>& bodies,
-               at::Tensor& out, int64_t group, float s) {
-  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2), Hkv = keys[0].size(0);
+void run_batch(const at::Tensor& q, const std::vector<FloatView>& views,
+               const std::vector<PackedBody>& bodies, at::Tensor& out, int64_t Hkv, int64_t group,
+               float s) {
+  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
   const int64_t G = Hq / Hkv;
   const float* qp = q.data_ptr<float>();
   float* op = out.data_ptr<float>();
@@ -254,10 +317,8 @@ void run_batch(const at::Tensor& q, const std::vector<at::Tensor>& keys,
     Scratch w(G, D);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / Hkv, h = item % Hkv;
-      attend_item<BITS>(bodies[b], keys[b].data_ptr<float>() + h * keys[b].stride(0),
-                        values[b].data_ptr<float>() + h * values[b].stride(0), keys[b].size(1),
-                        qp + (b * Hq + h * G) * D, op + (b * Hq + h * G) * D, h, G, D, group, s,
-                        w);
+      attend_item<BITS>(bodies[b], views[b], qp + (b * Hq + h * G) * D, op + (b * Hq + h * G) * D,
+                        h, G, D, group, s, w);
     }
   });
 }
@@ -265,16 +326,21 @@ void run_batch(const at::Tensor& q, const std::vector<at::Tensor>& keys,
 }  // namespace
 
 // bodies: per row, the six tensors of its packed KIVI body, or none; bits 0 when no row has one.
+// index: per row, None (dense: the view's columns in order) or the int64 columns its float tokens
+// are; an empty list for an all-dense batch.
 void draft_decode(const at::Tensor& q, const std::vector<at::Tensor>& keys,
                   const std::vector<at::Tensor>& values,
-                  const std::vector<std::vector<at::Tensor>>& bodies, int64_t bits, int64_t group,
-                  at::Tensor& out, double scale) {
+                  const std::vector<std::vector<at::Tensor>>& bodies,
+                  const std::vector<std::optional<at::Tensor>>& index, int64_t bits,
+                  int64_t group, at::Tensor& out, double scale) {
   TORCH_CHECK(q.device().is_cpu() && q.scalar_type() == at::kFloat && q.dim() == 3 &&
                   q.is_contiguous(), "q: a contiguous float32 CPU tensor [B, H_q, D] is required");
   const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
   TORCH_CHECK(static_cast<int64_t>(keys.size()) == B && static_cast<int64_t>(values.size()) == B &&
                   static_cast<int64_t>(bodies.size()) == B,
               "one keys view, one values view and one (maybe empty) body per row of q");
+  TORCH_CHECK(index.empty() || static_cast<int64_t>(index.size()) == B,
+              "index: one entry (maybe None) per row of q, or none at all");
   TORCH_CHECK(out.sizes() == q.sizes() && out.scalar_type() == at::kFloat && out.is_contiguous(),
               "out: a contiguous float32 tensor shaped like q");
   TORCH_CHECK(bits == 0 || bits == 2 || bits == 4 || bits == 8, "bits must be 0, 2, 4 or 8");
@@ -283,10 +349,12 @@ void draft_decode(const at::Tensor& q, const std::vector<at::Tensor>& keys,
   TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0, "H_q must be a multiple of H_kv");
   TORCH_CHECK(D % 8 == 0, "head dim must be a multiple of 8");
   std::vector<PackedBody> packed(B);
+  std::vector<FloatView> views(B);
   for (int64_t b = 0; b < B; ++b) {
     check_view(keys[b], Hkv, D, "keys");
     check_view(values[b], Hkv, D, "values");
     TORCH_CHECK(keys[b].size(1) == values[b].size(1), "keys and values differ in length");
+    views[b] = float_view(keys[b], values[b], index.empty() ? std::nullopt : index[b]);
     TORCH_CHECK(bits > 0 || bodies[b].empty(), "a packed body needs bits 2, 4 or 8");
     if (!bodies[b].empty()) {
       TORCH_CHECK(group > 0, "a packed body needs a key group of at least 1 token");
@@ -295,15 +363,15 @@ void draft_decode(const at::Tensor& q, const std::vector<at::Tensor>& keys,
   }
   const float s = static_cast<float>(scale);
   switch (bits) {
-    case 2: run_batch<2>(q, keys, values, packed, out, group, s); break;
-    case 4: run_batch<4>(q, keys, values, packed, out, group, s); break;
-    case 8: run_batch<8>(q, keys, values, packed, out, group, s); break;
-    default: run_batch<0>(q, keys, values, packed, out, group, s); break;
+    case 2: run_batch<2>(q, views, packed, out, Hkv, group, s); break;
+    case 4: run_batch<4>(q, views, packed, out, Hkv, group, s); break;
+    case 8: run_batch<8>(q, views, packed, out, Hkv, group, s); break;
+    default: run_batch<0>(q, views, packed, out, Hkv, group, s); break;
   }
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("draft_decode", &draft_decode,
         "Batched one-query decode attention of every row over its own view: an optional packed "
-        "KIVI body, then float32 tokens (CPU)");
+        "KIVI body, then float32 tokens, in order or through a per-row index of slots (CPU)");
 }
