@@ -12,13 +12,13 @@ depend on how the appends were chunked, so long generations stay within budget d
 from __future__ import annotations
 
 import copy
-from dataclasses import replace
 
 import torch
 from torch import Tensor
 
 from sglang_vericache.compress.attend import attend
 from sglang_vericache.compress.base import CompressedKV, Compressor, Observation, QuantizedBlock
+from sglang_vericache.compress.view_store import TensorViewStore, ViewStore, copy_store
 
 GROW_MIN = 16  # columns of room added beyond the need whenever a view buffer is (re)allocated
 
@@ -31,16 +31,16 @@ class CompressedLayerCache:
     while it is unchanged, ``view()`` only ever grows at the end, so a caller may mirror it
     incrementally (the benchmark's batched draft buffers do).
 
-    View storage: unless the body is quantized, body and window live in one contiguous buffer
-    per K and V, so a draft attends over the view in place, without a copy::
+    Storage: a quantized body's block is its own tensors; every full-precision token (a
+    dropper's kept tokens, a quantizer's residual, then the recent window) is a column of a
+    ``ViewStore``, with free room after them where a draft step writes its chain's KV::
 
-        _buf_k [H_kv, capacity, D]  | body (kept tokens) | window |  room  |
-                                    0                n_body   view_len  capacity
+        store columns   | residual (body) | window |  room  |
+                        0              n_res   n_float  capacity
 
-    The body's tensors and the window are views into it; ``draft_buffer(n)`` guarantees ``n``
-    free columns after the view, where a draft step writes its chain's KV (scratch, never part
-    of the view). A fold re-packs the buffer. A quantized body is dequantized on read
-    (``view_parts``) and its window is a tensor of its own.
+    The store is a buffer of its own (``TensorViewStore``: a draft attends over it in place) or
+    slots of the device pool (``move_to``; ``srt/draft_rows.py``), where the allocator counts it.
+    A fold rewrites the columns in place.
     """
 
     def __init__(self, compressor: Compressor, layer_id: int, compressed: CompressedKV, *,
@@ -61,95 +61,122 @@ class CompressedLayerCache:
         self.fold_every = fold_every
         self.obs_window = obs_window
         self.version = 0
-        self._compressed = compressed
-        h, d = compressed.num_heads, compressed.head_dim
-        dev, dt = compressed.residual_keys.device, compressed.dtype
-        self._keys = torch.empty(h, 0, d, dtype=dt, device=dev)  # pending window [H_kv, w, D]
-        self._values = torch.empty(h, 0, d, dtype=dt, device=dev)
-        self._positions = torch.empty(0, dtype=torch.int64, device=dev)  # [w]
+        dev = compressed.residual_keys.device
+        self._layout = (compressed.num_heads, compressed.head_dim, compressed.dtype, dev)
+        self._store: ViewStore = TensorViewStore(*self._layout)
+        self._positions = torch.empty(0, dtype=torch.int64, device=dev)  # window positions [w]
         self._queries: Tensor | None = None  # last obs_window committed queries [H_q, <=W, D]
         self._query_positions: Tensor | None = None
         if observation is not None and observation.queries is not None and obs_window:
             self._queries = observation.queries[:, -obs_window:]
             self._query_positions = observation.query_positions[-obs_window:]
-        self._buf_k: Tensor | None = None  # [H_kv, capacity, D] body + window + room
-        self._buf_v: Tensor | None = None
-        self._pack(0)
+        self._set_body(compressed, *self._store.read(0, 0))
+
+    def _set_body(self, body: CompressedKV, window_k: Tensor, window_v: Tensor) -> None:
+        """Make ``body`` the compressed body, followed by the window ``window_k``/``window_v``
+        ([H_kv, w, D], ``_positions`` already its w positions), written to the store."""
+        self._block, self._kept = body.block, body.kept_positions
+        self._body_tokens, n_res = body.num_tokens, body.residual_keys.shape[1]
+        window = (window_k.clone(), window_v.clone())  # may be columns the body overwrites
+        self._n_res = 0  # the store's columns are stale until both writes land
+        self._room(n_res + window[0].shape[1], keep=0)
+        self._store.write(0, body.residual_keys, body.residual_values)
+        self._store.write(n_res, *window)
+        self._n_res = n_res
+
+    def _room(self, columns: int, keep: int | None = None) -> None:
+        """Make the store hold at least ``columns`` columns, keeping the first ``keep`` (default:
+        the view's). A pool that cannot grow hands the columns to a buffer of this cache's own:
+        drafting goes on, and the pool's accounting is short by them (logged by the pool)."""
+        keep = self.float_len if keep is None else keep
+        if columns <= self._store.capacity:
+            return
+        capacity = columns + GROW_MIN + columns // 8
+        if not self._store.ensure(capacity, keep):
+            self._store = copy_store(self._store, self._private(capacity), keep)
+
+    def _private(self, capacity: int) -> TensorViewStore:
+        return TensorViewStore(*self._layout, capacity)
+
+    @property
+    def store(self) -> ViewStore:
+        """Where the full-precision columns live (see class doc)."""
+        return self._store
+
+    def move_to(self, store: ViewStore | None = None) -> ViewStore:
+        """Copy the columns into ``store`` (None: a buffer of this cache's own) and keep them
+        there from now on; returns the store left, which this cache no longer reads or writes.
+        Raises ValueError (nothing moved) where ``store`` cannot hold them."""
+        n = self.float_len
+        store = self._private(n + GROW_MIN) if store is None else store
+        if not store.ensure(n + GROW_MIN, 0):
+            raise ValueError(f"move_to: the store cannot hold {n} columns")
+        old, self._store = self._store, copy_store(self._store, store, n)
+        return old
 
     @property
     def compressed(self) -> CompressedKV:
-        """The compressed body (replaced, never mutated, on each fold)."""
-        return self._compressed
+        """The compressed body (a new record on each call; its residual read from the store:
+        views where the store is dense, copies where it is a pool)."""
+        rk, rv = self._store.read(0, self._n_res)
+        return CompressedKV(self._block, rk, rv, self._kept, self._body_tokens)
 
     @property
     def num_tokens(self) -> int:
         """Tokens covered (kept or dropped) by body + window."""
-        return self._compressed.num_tokens + self._positions.numel()
+        return self._body_tokens + self._positions.numel()
 
     @property
     def num_pending(self) -> int:
         return self._positions.numel()
 
     @property
-    def nbytes(self) -> int:
-        """Bytes stored: the body's exact bytes + the full-precision window + the view buffer's
-        free room (not the observation)."""
-        window = 2 * self._keys.numel() * self._keys.element_size()
-        if self._buf_k is None:
-            return self._compressed.nbytes + window
-        room = self._buf_k.shape[1] - self.view_len
-        return self._compressed.nbytes + window + 2 * room * self._buf_k[:, 0].numel() * (
-            self._buf_k.element_size())  # fmt: skip
+    def float_len(self) -> int:
+        """Full-precision columns in the store: the body's residual + the window."""
+        return self._n_res + self._positions.numel()
 
-    def _pack(self, room: int) -> None:
-        """(Re)allocate the view buffer with ``room`` free columns (plus ``GROW_MIN`` and an
-        eighth of the view) and point body and window into it; no-op for a quantized body."""
-        c = self._compressed
-        if c.block is not None:  # quantized (perhaps since this fold): the window stands alone
-            if self._buf_k is not None:
-                self._keys, self._values = self._keys.clone(), self._values.clone()
-            self._buf_k = self._buf_v = None
-            return
-        n_body, used = c.residual_keys.shape[1], self.view_len
-        capacity = used + room + GROW_MIN + used // 8
-        h, d = c.num_heads, c.head_dim
-        bufs = []
-        for body, window in ((c.residual_keys, self._keys), (c.residual_values, self._values)):
-            buf = torch.empty(h, capacity, d, dtype=body.dtype, device=body.device)
-            buf[:, :n_body] = body
-            buf[:, n_body:used] = window
-            bufs.append(buf)
-        self._buf_k, self._buf_v = bufs
-        self._compressed = replace(c, residual_keys=self._buf_k[:, :n_body],
-                                   residual_values=self._buf_v[:, :n_body])  # fmt: skip
-        self._keys, self._values = self._buf_k[:, n_body:used], self._buf_v[:, n_body:used]
+    @property
+    def nbytes(self) -> int:
+        """Bytes stored: the block's exact bytes, the kept-position index and the full-precision
+        columns (not the store's free room, nor the observation)."""
+        index = 0 if self._kept is None else self._kept.numel() * self._kept.element_size()
+        block = 0 if self._block is None else self._block.nbytes
+        return block + index + self._store.column_bytes * self.float_len
 
     def clone(self, drop_last: int = 0) -> "CompressedLayerCache":
         """An independent copy without the window's newest ``drop_last`` tokens (a stored
-        prefix's past-the-end positions, ``tier/demoted.DemotedPrefix``).
+        prefix's past-the-end positions, ``tier/demoted.DemotedPrefix``), in a buffer of its own.
 
-        The body is immutable and shared; a quantized body's window is replaced, never written
-        in place, so it is shared too; a view buffer is written in place past its view, so the
-        copy gets its own (``_pack``). Raises ValueError unless 0 <= drop_last <= num_pending.
+        The block is immutable and shared. Raises ValueError unless 0 <= drop_last <=
+        num_pending.
         """
         if not 0 <= drop_last <= self.num_pending:
             raise ValueError(f"clone: drop_last {drop_last} outside [0, {self.num_pending}]")
         twin = copy.copy(self)
-        keep = self.num_pending - drop_last
-        twin._keys, twin._values = self._keys[:, :keep], self._values[:, :keep]
-        twin._positions = self._positions[:keep]
-        twin._pack(0)
+        twin._positions = self._positions[: self.num_pending - drop_last]
+        n = twin.float_len
+        twin._store = copy_store(self._store, self._private(n + GROW_MIN), n)
         return twin
 
     def draft_buffer(self, room: int) -> tuple[Tensor, Tensor] | None:
-        """(keys, values) [H_kv, capacity, D] whose first ``view_len`` columns are the view and
-        whose next ``room`` columns are free for a draft chain (re-packed if short); None when
-        the body is quantized (then read ``view_parts``)."""
-        if self._buf_k is None:
+        """(keys, values) [H_kv, capacity, D] whose first ``float_len`` columns are the
+        full-precision tokens and whose next ``room`` columns are free for a draft chain (grown
+        if short); None where the store is not one buffer (a pool: ``draft_slots``)."""
+        if self._store.dense() is None:
             return None
-        if self._buf_k.shape[1] < self.view_len + room:
-            self._pack(room)
-        return self._buf_k, self._buf_v
+        self._room(self.float_len + room)
+        return self._store.dense()
+
+    def draft_slots(self) -> Tensor | None:
+        """[capacity] int64 pool slots of the columns (the first ``float_len`` hold them), or
+        None where the store is a buffer of its own. A draft chain needs no room here: its KV
+        is in the pool already, read by its own slots."""
+        return self._store.slots()
+
+    @property
+    def block(self) -> QuantizedBlock | None:
+        """The quantized part of the body (its oldest tokens), or None."""
+        return self._block
 
     def observation(self) -> Observation:
         return Observation(queries=self._queries, query_positions=self._query_positions,
@@ -188,56 +215,51 @@ class CompressedLayerCache:
             qs = queries if self._queries is None else torch.cat([self._queries, queries], dim=1)
             qp = positions if self._query_positions is None else torch.cat([self._query_positions, positions])
             self._queries, self._query_positions = qs[:, -self.obs_window :], qp[-self.obs_window :]
-        if self._buf_k is None:
-            self._keys = torch.cat([self._keys, keys.to(self._keys.dtype)], dim=1)
-            self._values = torch.cat([self._values, values.to(self._values.dtype)], dim=1)
-        else:
-            n = keys.shape[1]
-            if self._buf_k.shape[1] < self.view_len + n:
-                self._pack(n)
-            n_body, end = self._compressed.residual_keys.shape[1], self.view_len
-            self._buf_k[:, end : end + n] = keys
-            self._buf_v[:, end : end + n] = values
-            self._keys = self._buf_k[:, n_body : end + n]
-            self._values = self._buf_v[:, n_body : end + n]
+        end = self.float_len
+        self._room(end + keys.shape[1])
+        self._store.write(end, keys, values)
         self._positions = torch.cat([self._positions, positions])
 
     def _fold(self) -> None:
-        f = self.fold_every
-        self._compressed = self.compressor.extend(
-            self.layer_id, self._compressed, self._keys[:, :f], self._values[:, :f],
-            self._positions[:f], self.observation(),
+        f, n_res = self.fold_every, self._n_res
+        wk, wv = self._store.read(n_res, self.float_len)
+        folded = self.compressor.extend(
+            self.layer_id, self.compressed, wk[:, :f], wv[:, :f], self._positions[:f],
+            self.observation(),
         )
-        self._keys, self._values = self._keys[:, f:], self._values[:, f:]
         self._positions = self._positions[f:]
-        self._pack(0)  # the new body and the rest of the window, contiguous again
+        self._set_body(folded, wk[:, f:], wv[:, f:])  # the new body, then the rest of the window
         self.version += 1
 
     @property
     def view_len(self) -> int:
         """T_view: tokens a query attends over in ``view()`` (kept body + pending window)."""
-        return self._compressed.num_kept + self._positions.numel()
+        n_q = 0 if self._block is None else self._block.num_tokens
+        return n_q + self.float_len
+
+    def _window(self) -> tuple[Tensor, Tensor]:
+        return self._store.read(self._n_res, self.float_len)
 
     def view_parts(self) -> tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor]]:
         """((body keys, body values), (window keys, window values)), each [H_kv, n, D] in the
         KV dtype: ``view()`` without the concatenation, for a caller that joins the parts with
-        more of its own (a quantized body is dequantized; a dropper's is its stored tensors)."""
-        return self._compressed.dequantize(), (self._keys, self._values)
+        more of its own (a quantized body is dequantized)."""
+        return self.compressed.dequantize(), self._window()
 
     def packed_view_parts(self) -> tuple[QuantizedBlock | None, tuple[Tensor, Tensor],
                                          tuple[Tensor, Tensor]]:  # fmt: skip
         """(quantized block or None, (residual keys, residual values), (window keys, window
         values)), each [H_kv, n, D] in the KV dtype: ``view_parts`` for a reader of packed codes
         (``ops/cpu_draft_decode.py``), the block as stored and the body's unquantized residual
-        apart, so the caller joins the full-precision tokens once, with its own."""
-        c = self._compressed
-        return c.block, (c.residual_keys, c.residual_values), (self._keys, self._values)
+        apart."""
+        return self._block, self._store.read(0, self._n_res), self._window()
 
     def view(self) -> tuple[Tensor, Tensor, Tensor]:
         """(keys, values [H_kv, T_view, D] in the KV dtype, positions [H_kv, T_view] int64)."""
-        (ck, cv), (wk, wv) = self.view_parts()
+        body = self.compressed
+        (ck, cv), (wk, wv) = body.dequantize(), self._window()
         h = ck.shape[0]
-        pos = torch.cat([self._compressed.positions, self._positions.expand(h, -1)], dim=1)
+        pos = torch.cat([body.positions, self._positions.expand(h, -1)], dim=1)
         return torch.cat([ck, wk], dim=1), torch.cat([cv, wv], dim=1), pos
 
     def attend(self, q: Tensor, q_positions: Tensor, scale: float) -> Tensor:
@@ -247,16 +269,15 @@ class CompressedLayerCache:
 
     def check_integrity(self) -> None:
         """Raises AssertionError if the internal state is inconsistent."""
-        c = self._compressed
-        assert self._keys.shape == self._values.shape, "window keys/values differ in shape"
-        assert self._keys.shape[1] == self._positions.numel(), "window positions out of sync"
-        assert self._positions.numel() < self.recent + self.fold_every, "window not folded"
+        c = self.compressed
+        assert self._store.capacity >= self.float_len, "store shorter than its columns"
         pos = c.positions
         assert pos.shape == (c.num_heads, c.num_kept), "kept positions shape"
         if c.num_kept > 1:
             assert bool((pos.diff(dim=1) > 0).all()), "kept positions not increasing per head"
         if c.num_kept:
             assert int(pos.max()) < c.num_tokens, "kept position beyond covered tokens"
+        assert self._positions.numel() < self.recent + self.fold_every, "window not folded"
         if self._positions.numel():
             assert int(self._positions[0]) >= c.num_tokens, "window overlaps the body"
             assert bool((self._positions.diff() > 0).all()), "window positions not increasing"
@@ -265,15 +286,5 @@ class CompressedLayerCache:
         if c.kept_positions is not None:
             stored += c.kept_positions.numel() * c.kept_positions.element_size()
         assert stored == c.nbytes, "nbytes does not match the stored tensors"
-        if self._buf_k is not None:
-            n_body = c.residual_keys.shape[1]
-            assert c.block is None, "a quantized body has no view buffer"
-            assert self._buf_k.shape[1] >= self.view_len, "view buffer shorter than the view"
-            for body, window, buf in ((c.residual_keys, self._keys, self._buf_k),
-                                      (c.residual_values, self._values, self._buf_v)):
-                # (an empty slice's data pointer is unspecified: only compare non-empty ones)
-                assert not body.numel() or body.data_ptr() == buf.data_ptr(), "body not at head"
-                assert not window.numel() or window.data_ptr() == buf[:, n_body:].data_ptr(), (
-                    "window not after body")  # fmt: skip
         if self._queries is not None:
             assert self._queries.shape[1] == self._query_positions.numel() <= max(self.obs_window, 0)
