@@ -254,6 +254,7 @@ def test_pressure_counts_cached_prefixes_as_room_and_offloads_rows_whole() -> No
     Under real pressure a resident row moves whole and the tree keeps its slots, unpinned."""
     from types import SimpleNamespace
 
+    from sglang_vericache.srt.draft_state import RequestDraftState
     from sglang_vericache.srt.step_costs import relieve_pressure
 
     kv, rows, alloc, tree, worker = _with_tree(1)
@@ -265,7 +266,7 @@ def test_pressure_counts_cached_prefixes_as_room_and_offloads_rows_whole() -> No
     hog = alloc.alloc(alloc.available_size())
     batch = SimpleNamespace(reqs=[resident], req_pool_indices=torch.tensor([1]),
                             seq_lens_cpu=torch.tensor([100]))  # fmt: skip
-    states = {"resident": SimpleNamespace(nbytes=0)}
+    states = {"resident": RequestDraftState(layers=[], covered=100)}  # nothing to lodge
     assert worker.free_slots() == 100  # none free, 100 cached
     assert relieve_pressure(batch, states, worker, width=5) == 0
     worker.ledger.admission_deficit = 150  # a waiting request needs more than the cache holds

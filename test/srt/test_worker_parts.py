@@ -162,6 +162,17 @@ def test_penalizers_learn_the_token_plain_sglang_would_feed(overlapped, output, 
     assert penalized_token(output, [1, 2, 99], overlapped) == want
 
 
+def _lodge(pool, states) -> None:
+    """Lodge each state in a draft row of ``pool``'s slots 300.. (clear of the test's tokens)."""
+    from sglang_vericache.srt.draft_rows import DraftRow
+    from sglang_vericache.srt.offload import OffloadedRow
+
+    free = iter(range(300, 512))
+    take = lambda n: torch.tensor([next(free) for _ in range(n)], dtype=torch.int64)  # noqa: E731
+    for state in states:
+        assert DraftRow(OffloadedRow(lo=0, host=None), LayerPool(pool), take).lodge(state) == LAYERS
+
+
 def _reference_draft_attention(q, state, pool, layer, chain):
     """Row-by-row attention over cat(view, chain KV): what the padded batch must equal."""
     from torch.nn.functional import scaled_dot_product_attention
@@ -178,12 +189,14 @@ def _reference_draft_attention(q, state, pool, layer, chain):
 @pytest.mark.parametrize("spec", ["snapkv:ratio=0.5", "kivi:bits=4",
                                   "pyramid(snapkv:ratio=0.5):beta=2", "full"])  # fmt: skip
 @pytest.mark.parametrize("batched", [False, True], ids=["sdpa-per-row", "cpu-kernel"])
-def test_draft_plan_equals_attention_over_view_and_chain(pool, spec: str, batched: bool) -> None:
+@pytest.mark.parametrize("lodged", [False, True], ids=["own-buffers", "pool-slots"])
+def test_draft_plan_equals_attention_over_view_and_chain(pool, spec: str, batched: bool,
+                                                        lodged: bool) -> None:  # fmt: skip
     """Each row gets what attending over its own compressed view + draft chain gives; a row
-    without a state attends over its chain only. Droppers attend in place (nothing copied, the
-    chain written after the view leaves the view as it was); a quantized body is dequantized
-    one layer of the batch at a time for SDPA, and read packed by the batched CPU kernel (only
-    its full-precision tokens and the chain are copied)."""
+    without a state attends over its chain only. The batched CPU kernel reads every view in
+    place: a buffer of its own (the chain written after the view leaves the view as it was), or
+    its draft row's pool slots and the chain's slots; a quantized body packed. The SDPA path
+    copies a quantized body dequantized, and a lodged view gathered from its slots."""
     from sglang_vericache.ops.cpu_draft_decode import load_cpu_draft_decode
     from sglang_vericache.srt.draft_attention import DraftPlan
     from sglang_vericache.srt.draft_state import RequestDraftState
@@ -196,6 +209,8 @@ def test_draft_plan_equals_attention_over_view_and_chain(pool, spec: str, batche
                                               queries, LAYERS))  # fmt: skip
         states[-1].append(reader(pool), torch.arange(120, 123), [None] * LAYERS)  # a window
     states.append(None)  # rides along
+    if lodged:
+        _lodge(pool, states[:2])
     before = [[v[0].clone() for v in s.views()] for s in states[:2]]
     kernel = load_cpu_draft_decode() if batched else None
     assert kernel is not None or not batched, "the CPU draft-attention kernel did not build"
@@ -211,14 +226,17 @@ def test_draft_plan_equals_attention_over_view_and_chain(pool, spec: str, batche
     for state, keys in zip(states[:2], before):
         state.check_integrity()
         assert all(torch.equal(k, v[0]) for k, v in zip(keys, state.views()))
-    quantized = spec.startswith("kivi")
-    assert (plan.transient_bytes > 0) == quantized
-    if quantized:  # a quantized row copies its whole view and chain, or all but its packed body
-        body = states[0].layers[0].compressed.block
-        assert body is not None, "the test's longer row must have a quantized body"
-        assert states[1].layers[0].compressed.block is None  # too short: attends in place
-        copied = states[0].view_tokens + 3 - (body.num_tokens if batched else 0)
+    if batched:
+        assert plan.transient_bytes == 0
+    elif lodged or spec.startswith("kivi"):  # gathered or dequantized, one layer of the batch
+        copied = sum(s.view_tokens + 3 for s in states[:2] if lodged or s.layers[0].block)
         assert plan.transient_bytes == 2 * H_KV * D * 4 * copied
+    else:
+        assert plan.transient_bytes == 0
+    if spec.startswith("kivi"):
+        assert states[0].layers[0].block is not None, "the longer row must have a packed body"
+    for state in states[:2] if lodged else ():
+        assert all(cache.draft_slots() is not None for cache in state.layers), "left the pool"
     assert plan.view_tokens[2] == 0 and plan.view_tokens[0] == states[0].view_tokens
 
 

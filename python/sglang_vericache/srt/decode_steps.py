@@ -116,7 +116,7 @@ class DecodeSteps:
         for i, req in enumerate(batch.reqs):  # compressed KV catches up when drafting resumes
             state = self.states.get(req.rid)
             if state is not None or self.book.offloads_plainly(req.rid):
-                self._offload(req, rows[i], int(base[i]) + 1, 0 if state is None else state.nbytes)
+                self._offload(req, rows[i], int(base[i]) + 1, state)
                 self._lap(Phase.OFFLOAD)
         # the whole plain step, its offloads included: what the planner weighs a drafted step
         # against (the prepare phase before the choice is the same for both)
@@ -217,7 +217,7 @@ class DecodeSteps:
             self._commit(batch.reqs[i], pool_rows[i], int(base[i]), int(accept_lens[i]),
                          int(draft_lens[i]), queries)  # fmt: skip
         for i in step.demoted:  # their token follows their KV to the host
-            self._offload(batch.reqs[i], pool_rows[i], int(base[i]) + 1, 0)
+            self._offload(batch.reqs[i], pool_rows[i], int(base[i]) + 1, None)
         self._lap(Phase.OFFLOAD)
         # the verify is priced as the whole drafted step but its draft forwards: it carries
         # the catch-up of compressed KV behind after plain steps, the commit and the offloads,
@@ -247,6 +247,6 @@ class DecodeSteps:
         if self.metrics is not None:
             self.metrics.observe_verify(record, state.stats.mode)
         self._lap(Phase.COMMIT)
-        self._offload(req, row, base + n, state.nbytes)
+        self._offload(req, row, base + n, state)
         self._lap(Phase.OFFLOAD)
 

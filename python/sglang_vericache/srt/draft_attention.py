@@ -1,28 +1,28 @@
 """Draft attention over compressed views, in place: planned once per step, run per layer.
 
-A dropper's compressed cache keeps its view (kept tokens, then the recent window) contiguous in
-a buffer with free room after it (``CompressedLayerCache.draft_buffer``). Each draft forward
-writes the row's chain KV (this step's drafts so far, read from their pool slots) into that
-room and attends over the buffer's head, so the view is never copied::
+A compressed cache keeps its full-precision columns (a dropper's kept tokens, a quantizer's
+residual, then the recent window) in a ``ViewStore``. Once its request's full KV has left the
+pool, that store is the request's draft row: pool slots the allocator counts
+(``srt/draft_rows.py``). A draft forward reads such a row by slot, its chain (this step's drafts,
+whose KV the forward wrote to their own pool slots) by the chain's slots, so neither is copied::
 
-    buffer of row i, layer l   | view (body | window)      | chain (scratch) | free |
-                               0              view_len[l][i]      + n_chain
+    row i, layer l   | packed body (KIVI codes, scales) | draft row slots ....... | chain slots |
+                       read as stored, if any            s_0 .. s_(n_float - 1)    from req_to_token
 
-Queries sit at their true positions (keys are post-RoPE, so a view's gaps do not matter). A
-quantized body has no such buffer. The batched CPU kernel reads a KIVI body packed, as stored,
-and only its full-precision tokens (residual, window) are concatenated with the chain::
+A cache still in a buffer of its own (its request's full KV is resident) has free room after
+its columns; the forward writes the chain's KV there and reads the buffer's head::
 
-    row i, layer l   | packed body (codes, scales) | residual | window | chain |
-                       read in place                 copied: a few dozen tokens
+    buffer of row i, layer l   | columns (body | window) | chain (scratch) | free |
+                               0                  float_len    + n_chain
 
-Elsewhere the body is dequantized and concatenated with the rest for one layer of the batch at
-a time. Those copies are the only transient tensors drafting builds outside the pool
+Queries sit at their true positions (keys are post-RoPE, so a view's gaps do not matter). On a
+CPU with float32 views the rows of a layer attend in one call of a batched kernel
+(``ops/cpu_draft_decode.py``: one parallel region, each view read where it lies, a KIVI body
+packed). Elsewhere, or where that kernel could not be built, one SDPA call per row reads a
+tensor: a row in pool slots is gathered, a quantized body dequantized, one layer of the batch
+at a time. Those copies are the only transient tensors drafting builds outside the pool
 (``transient_bytes``). A row without a compressed state rides along in the forward, attending
 over its own chain only; its drafts are never verified.
-
-On a CPU with float32 views the rows of a layer attend in one call of a batched kernel
-(``ops/cpu_draft_decode.py``: one parallel region, each view read in place); elsewhere, or
-where that kernel could not be built, one SDPA call per row.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ class DraftPlan:
         layers = next((len(s.layers) for s in self.states if s is not None), 0)
         self.view_lens = [[0 if s is None else s.layers[layer].view_len for s in self.states]
                           for layer in range(layers)]  # fmt: skip
-        for state in self.states:  # room for the chain after every view, made once per step
+        for state in self.states:  # room for the chain after every own buffer, once per step
             for cache in () if state is None else state.layers:
                 cache.draft_buffer(self.drafts)
 
@@ -73,28 +73,38 @@ class DraftPlan:
         """Per row, the first layer's T_view (what a draft forward's attention reads)."""
         return self.view_lens[0] if self.view_lens else [0] * len(self.states)
 
-    def _row_kv(self, i: int, layer_id: int, chain_k: Tensor, chain_v: Tensor
-                ) -> tuple[Any | None, Tensor, Tensor, int]:  # fmt: skip
-        """Row i's packed body (a quantized block the kernel reads as stored, or None) and the
-        keys and values after it, view then chain, each [H_kv, n, D], and the bytes copied to
-        make them (0 where read in place)."""
-        state, n = self.states[i], chain_k.shape[1]
+    def _row_kv(self, i: int, layer_id: int, pool_k: Tensor, pool_v: Tensor, chain: Tensor
+                ) -> tuple[Any | None, Tensor, Tensor, Tensor | None, int]:  # fmt: skip
+        """What row i attends over at ``layer_id``: (packed body the kernel reads as stored, or
+        None; keys, values; index or None; bytes copied to make them, 0 where read in place).
+
+        keys / values are [H_kv, n, D] tokens after the body, the view's full-precision columns
+        then the chain; or, with an index [n] int64, the pool's buffers of the layer
+        ([H_kv, slots, D]) read at those slots (a view in pool slots, then the chain's slots).
+        pool_k / pool_v: the layer's pool buffers [slots, H_kv, D]; chain: [n_c] int64 slots of
+        this step's drafts so far.
+        """
+        state = self.states[i]
         if state is None:  # a few tokens: made contiguous, as the batched kernel reads them
-            return None, chain_k.contiguous(), chain_v.contiguous(), 0
+            return None, pool_k[chain].transpose(0, 1), pool_v[chain].transpose(0, 1), None, 0
         cache = state.layers[layer_id]
-        at = self.view_lens[layer_id][i]
-        buffers = cache.draft_buffer(self.drafts)
-        if buffers is not None and buffers[0].shape[1] >= at + n:
-            keys, values = buffers
-            keys[:, at : at + n] = chain_k  # scratch after the view: not part of it
-            values[:, at : at + n] = chain_v
-            return None, keys[:, : at + n], values[:, : at + n], 0
-        if self.kernel is not None and self.kernel.accepts_body(cache.compressed.block):
-            body, (rk, rv), (wk, wv) = cache.packed_view_parts()
-        else:  # dequantized: the whole body in full precision
-            body, ((rk, rv), (wk, wv)) = None, cache.view_parts()
-        keys, values = torch.cat([rk, wk, chain_k], dim=1), torch.cat([rv, wv, chain_v], dim=1)
-        return body, keys, values, 2 * keys.numel() * keys.element_size()
+        block, at = cache.block, cache.float_len
+        if block is None or (self.kernel is not None and self.kernel.accepts_body(block)):
+            slots = cache.draft_slots()
+            if slots is not None:  # in the pool: the view's slots, then the chain's
+                index = torch.cat([slots[:at], chain])
+                return block, pool_k.transpose(0, 1), pool_v.transpose(0, 1), index, 0
+            buffers = cache.draft_buffer(self.drafts)
+            if buffers[0].shape[1] >= at + chain.numel():
+                keys, values = buffers
+                end = at + chain.numel()
+                keys[:, at:end] = pool_k[chain].transpose(0, 1)  # scratch after the view
+                values[:, at:end] = pool_v[chain].transpose(0, 1)
+                return block, keys[:, :end], values[:, :end], None, 0
+        (bk, bv), (wk, wv) = cache.view_parts()  # dequantized: the whole body in full precision
+        keys = torch.cat([bk, wk, pool_k[chain].transpose(0, 1)], dim=1)
+        values = torch.cat([bv, wv, pool_v[chain].transpose(0, 1)], dim=1)
+        return None, keys, values, None, 2 * keys.numel() * keys.element_size()
 
     def attend(self, q: Tensor, layer_id: int, key_buffer: Tensor, value_buffer: Tensor,
                chain_slots: Sequence[Tensor], scale: float) -> Tensor:  # fmt: skip
@@ -105,23 +115,26 @@ class DraftPlan:
         base_i .. seq_len_i - 1 (this step's drafts so far, the current one included).
         Returns [B, H_q, D_v].
         """
-        rows = [self._row_kv(i, layer_id, key_buffer[slots].transpose(0, 1),
-                             value_buffer[slots].transpose(0, 1))
+        rows = [self._row_kv(i, layer_id, key_buffer, value_buffer, slots)
                 for i, slots in enumerate(chain_slots)]  # fmt: skip
-        bodies = [body for body, _, _, _ in rows]
-        keys, values = [k for _, k, _, _ in rows], [v for _, _, v, _ in rows]
-        self.transient_bytes = max(self.transient_bytes, sum(copied for *_, copied in rows))
-        if self.kernel is not None and self.kernel.accepts(q, keys, values, bodies):
-            return self.kernel(q, keys, values, scale, bodies)
+        bodies, keys, values, index, copied = (list(part) for part in zip(*rows))
+        if self.kernel is not None and self.kernel.accepts(q, keys, values, bodies, index):
+            self.transient_bytes = max(self.transient_bytes, sum(copied))
+            return self.kernel(q, keys, values, scale, bodies, index)
         out = q.new_empty((q.shape[0], q.shape[1], value_buffer.shape[-1]))
         gqa = q.shape[1] != key_buffer.shape[1]
-        for i, (body, k, v) in enumerate(zip(bodies, keys, values)):
+        for i, (body, k, v, idx) in enumerate(zip(bodies, keys, values, index)):
+            if idx is not None:  # gathered: SDPA reads a tensor, not slots
+                k, v = k[:, idx], v[:, idx]
+                copied[i] += 2 * k.numel() * k.element_size()
             if body is not None:  # the kernel refused the rest of the view: read it in full
                 bk, bv = body.dequantize()
                 k, v = torch.cat([bk, k], dim=1), torch.cat([bv, v], dim=1)
+                copied[i] += 2 * k.numel() * k.element_size()
             o = scaled_dot_product_attention(
                 q[i, :, None].unsqueeze(0), k.unsqueeze(0).to(q.dtype),
                 v.unsqueeze(0).to(q.dtype), scale=scale, enable_gqa=gqa,
             )  # fmt: skip
             out[i] = o[0, :, 0]
+        self.transient_bytes = max(self.transient_bytes, sum(copied))
         return out

@@ -36,7 +36,7 @@ PoolReader = Callable[[int, Tensor], tuple[Tensor, Tensor]]
 LayerReader = Callable[[int], tuple[Tensor, Tensor]]
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, weakref_slot=True)  # a draft row holds its tenant weakly
 class RequestDraftState:
     """The compressed KV of one request, one ``CompressedLayerCache`` per layer.
 

@@ -8,8 +8,9 @@ placeholder there. What stays in the device pool per request::
     row positions  0 ........ lo | lo ............ hi | hi ...... base | base .. base+x
     pool slots     tree-owned    | placeholder (0)    | committed tail | this step's
                    shared prefix | full KV -> host    | (< TAIL_CHUNK) | draft/verify slots
-    plus           ceil(compressed bytes / slot bytes) reserved slots: the compressed cache's
-                   share of the pool, so admission sees what VeriCache really holds
+    plus           reserved slots: the request's draft row, holding its compressed KV's
+                   full-precision columns (``srt/draft_rows.py``), at least
+                   ceil(compressed bytes / slot bytes), so admission sees what VeriCache holds
 
 Attention reads [lo, hi) from the host buffer (``OffloadLedger.read``): for verification and for
 a plain decode step, never for drafting (drafts read the compressed view). Freed slots go back
@@ -116,11 +117,13 @@ class HostKV:
 
 @dataclass(slots=True)
 class OffloadedRow:
-    """Positions [lo, hi) of one pool row live in ``host``; ``reserved`` are held pool slots."""
+    """Positions [lo, hi) of one pool row live in ``host``; ``reserved`` are held pool slots,
+    the row's compressed KV lodged in them (``draft_row``, ``srt/draft_rows.py``)."""
 
     lo: int
     host: HostKV
     reserved: Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
+    draft_row: Any = None
 
     @property
     def hi(self) -> int:

@@ -20,6 +20,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
+from sglang_vericache.srt.draft_rows import DraftRow
 from sglang_vericache.srt.eligibility import tokens_left
 from sglang_vericache.srt.offload import (
     HOST_ROOM,
@@ -98,14 +99,19 @@ class PoolOffloader:
         while moving them each step copies slots this step just wrote."""
         return 1 if self.pool_in_host_memory else TAIL_CHUNK
 
-    def offload(self, row: int, owned_from: int, committed: int, compressed_bytes: int,
-                min_tokens: int | None = None, req: Any = None) -> OffloadResult:  # fmt: skip
+    def offload(self, row: int, owned_from: int, committed: int, compressed_bytes: int = 0,
+                min_tokens: int | None = None, req: Any = None, state: Any = None
+                ) -> OffloadResult:  # fmt: skip
         """Move positions [lo, floor_page(committed)) of ``row`` to the host.
 
         owned_from: first position the request owns (tree-owned positions before it stay);
         lo continues the row's host range. Moves nothing unless at least ``min_tokens``
         (default ``tail_tokens``) are due. Then tops the row's reserved slots up to
         ``ceil(compressed_bytes / slot_bytes)``.
+
+        state: the row's ``RequestDraftState`` (then ``compressed_bytes`` is its ``nbytes``):
+        its full-precision columns lodge in the reserved slots, its draft row
+        (``srt/draft_rows.py``), so its compressed KV lives in the pool it is counted in.
 
         req: the row's request, where the prefix tree takes part (``PrefixTreeHooks.adopt``):
         then a row's first offload moves the whole row from position 0, the tree keeps the
@@ -131,8 +137,18 @@ class PoolOffloader:
         own = slots if tree is None else tree.adopt(req, slots, owned_from)
         self.allocator.free(own)
         self.ledger.freed_slots += hi - lo
+        if state is not None:
+            compressed_bytes = state.nbytes
         held = self._reserve(entry, compressed_bytes)
+        if state is not None:
+            self._lodge(entry, state)
         return OffloadResult(moved=hi - lo, reserved=held)
+
+    def _lodge(self, entry: Any, state: Any) -> None:
+        """Lodge ``state`` in ``entry``'s reserved slots (see ``srt/draft_rows.py``)."""
+        if entry.draft_row is None:
+            entry.draft_row = DraftRow(entry, self.pool, self._take)
+        entry.draft_row.lodge(state)
 
     def _new_host(self, committed: int, req: Any) -> HostKV:
         """A row's host buffer, sized for ``committed`` tokens and what ``req`` may still emit
@@ -152,16 +168,26 @@ class PoolOffloader:
         extra = need - int(entry.reserved.numel())
         if extra <= 0:
             return 0
-        got = self.allocator.alloc(extra)
-        if got is None and self.ledger.tree is not None:
-            self.ledger.tree.evict_cached(extra)  # free slots may all be cached nodes
-            got = self.allocator.alloc(extra)
+        got = self._take(extra)
         if got is None:
-            self.reserve_shortfall += extra
-            logger.warning("pool full: %d slots of compressed KV unaccounted", extra)
             return 0
-        entry.reserved = torch.cat([entry.reserved.to(got.device), got.to(torch.int64)])
+        entry.reserved = torch.cat([entry.reserved.to(got.device), got])
         return extra
+
+    def _take(self, n: int) -> Tensor | None:
+        """[n] int64 fresh pool slots for compressed KV (cached nodes evicted if they must be),
+        or None, counted in ``reserve_shortfall`` and logged, where the pool has none. A paged
+        allocator hands out whole pages: n rounds up to them (the row keeps the rest as room)."""
+        n = -(-n // self.page) * self.page
+        got = self.allocator.alloc(n)
+        if got is None and self.ledger.tree is not None:
+            self.ledger.tree.evict_cached(n)  # free slots may all be cached nodes
+            got = self.allocator.alloc(n)
+        if got is None:
+            self.reserve_shortfall += n
+            logger.warning("pool full: %d slots of compressed KV unaccounted", n)
+            return None
+        return got.to(torch.int64)
 
     def restore(self, row: int, evict: Callable[[int], None], held: Tensor | None = None) -> bool:
         """Bring ``row``'s host range back onto the device (for the prefix cache).
@@ -211,6 +237,8 @@ class PoolOffloader:
             self._free_reserved(entry)
 
     def _free_reserved(self, entry: Any) -> None:
+        if entry.draft_row is not None:
+            entry.draft_row.evict()  # a state that lives on keeps its columns, copied out
         if entry.reserved.numel():
             self.allocator.free(entry.reserved)
             entry.reserved = entry.reserved[:0]

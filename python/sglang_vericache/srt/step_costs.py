@@ -60,12 +60,12 @@ def relieve_pressure(batch: Any, states: Mapping[str, Any], offloader: Any, widt
             continue  # not drafted (nothing to draft from once offloaded), or already offloaded
         # the whole row moves: the tree keeps its slots as cached nodes, no longer pinned
         resident.append(ResidentRow(pool_rows[i], int(lens[i])))
-        owner[pool_rows[i]] = (req, int(lens[i]), states[req.rid].nbytes)
+        owner[pool_rows[i]] = (req, int(lens[i]), states[req.rid])
     moved = 0
     for row in rows_to_offload(resident, need):
-        req, committed, compressed = owner[row]
-        moved += offloader.offload(row, int(req.kv.cache_protected_len), committed, compressed,
-                                   min_tokens=1, req=req).moved  # fmt: skip
+        req, committed, state = owner[row]
+        moved += offloader.offload(row, int(req.kv.cache_protected_len), committed,
+                                   min_tokens=1, req=req, state=state).moved  # fmt: skip
     return moved
 
 

@@ -176,15 +176,17 @@ class VeriCacheWorker(DecodeSteps, BaseSpecWorker):
         return placement is Placement.EAGER or (
             placement is Placement.AUTO and self.offloader.pool_in_host_memory)  # fmt: skip
 
-    def _offload(self, req: Any, row: int, committed: int, compressed_bytes: int) -> None:
-        """Move an offloaded row's newly committed KV to host memory too. Under pressure
-        placement a row still in the pool stays there until pressure moves it
-        (``relieve_pressure``); eager placement and offload-only always move."""
+    def _offload(self, req: Any, row: int, committed: int,
+                 state: RequestDraftState | None) -> None:  # fmt: skip
+        """Move an offloaded row's newly committed KV to host memory too, and lodge ``state``
+        (its compressed KV, or None) in the slots reserved for it. Under pressure placement a
+        row still in the pool stays there until pressure moves it (``relieve_pressure``);
+        eager placement and offload-only always move."""
         span = self.offloader.ledger.span(row)
         if not (self.offload_only or self.eager_offload) and span is None:
             return
         owned_from = int(req.kv.cache_protected_len)
-        self.offloader.offload(row, owned_from, committed, compressed_bytes, req=req)
+        self.offloader.offload(row, owned_from, committed, req=req, state=state)
 
     # -- the scheduler's entry point -----------------------------------------------------------
 
@@ -280,13 +282,12 @@ class VeriCacheWorker(DecodeSteps, BaseSpecWorker):
                         mode: DecodeMode) -> None:  # fmt: skip
         """After ``req``'s first token went out: its compressed KV (``queries`` None: a plain
         row, none) and the move of its full KV to the host (``_offload``)."""
-        nbytes = 0
+        state = None
         if queries is not None:
             state = self._compress(req, row, length, queries).labelled(req, mode)
             self.states[req.rid] = state
-            nbytes = state.nbytes
             self._lap(Phase.COMPRESS)
-        self._offload(req, row, length, nbytes)
+        self._offload(req, row, length, state)
         self._lap(Phase.OFFLOAD)
 
     def _settle_prefills(self) -> None:

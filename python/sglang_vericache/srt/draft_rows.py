@@ -1,0 +1,134 @@
+"""Compressed KV in the device pool: each drafted request's draft row.
+
+When a drafted request's full KV leaves the pool (``srt/offload.py``), the ledger holds pool
+slots for its compressed KV (``OffloadedRow.reserved``). Those slots are its draft row: column j
+of every layer's full-precision view (a dropper's kept tokens, a quantizer's residual, then the
+recent window) lives in slot ``row[j]`` of that layer's pool buffers, as a request's token j
+lives in slot ``req_to_token[r, j]``. Per-head selections are already compacted (every head
+keeps the same count, keys post-RoPE), so one slot holds column j of all heads::
+
+    draft row           s_0   s_1   s_2  ...  s_(n-1) | s_n ... s_(cap-1)
+    layer l, K and V    col 0 col 1 col 2     col n-1 | free (appends, folds)
+
+A draft forward reads a row by its slots, its chain by the chain's own slots
+(``srt/draft_attention.py``), in place. A quantized body's packed block stays a tensor of its own,
+counted in the same reservation by its bytes.
+
+Lifetime: the ledger entry owns the slots. A request's ``RequestDraftState`` lodges in them
+(``lodge``) when the offloader reserves; before the ledger frees them (restore at the request's
+end, drop, release for admission), ``evict`` copies the columns of a state still alive into
+buffers of its own (a finished state parked as a demoted prefix keeps its KV), and a state no
+one holds any more is simply gone (the row holds it by weak reference). At most one state lodges
+in a row; everything runs on the scheduler thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from typing import Any, Callable
+
+import torch
+from torch import Tensor
+
+from sglang_vericache.compress.view_store import ViewStore
+
+logger = logging.getLogger(__name__)
+
+
+class DraftRow:
+    """The slots of one ledger entry's reservation, as columns of compressed views.
+
+    entry: the ``OffloadedRow`` whose ``reserved`` slots these are (grown in place);
+    take: n -> [n] int64 fresh pool slots, or None where the pool has none.
+    """
+
+    def __init__(self, entry: Any, pool: Any, take: Callable[[int], Tensor | None]) -> None:
+        self.entry, self.pool, self._take = entry, pool, take
+        self._tenant: weakref.ref | None = None
+
+    @property
+    def slots(self) -> Tensor:
+        """[capacity] int64: column j of every layer lives in slot ``slots[j]``."""
+        return self.entry.reserved
+
+    @property
+    def tenant(self) -> Any | None:
+        """The ``RequestDraftState`` lodged here, if it is still alive."""
+        return None if self._tenant is None else self._tenant()
+
+    def grow_to(self, capacity: int) -> bool:
+        """At least ``capacity`` slots (more taken from the pool); False where it has none."""
+        need = capacity - int(self.slots.numel())
+        if need <= 0:
+            return True
+        got = self._take(need)
+        if got is None:
+            return False
+        self.entry.reserved = torch.cat([self.slots, got.to(self.slots.device, torch.int64)])
+        return True
+
+    def lodge(self, state: Any) -> int:
+        """Move ``state``'s full-precision columns into this row (the previous tenant, if any,
+        evicted first). Returns the layers lodged: a layer whose columns the pool could not
+        take keeps its own buffer (and the pool's count is short by it, logged)."""
+        if self.tenant is state:
+            return sum(isinstance(c.store, PoolViewStore) and c.store.row is self
+                       for c in state.layers)  # fmt: skip
+        self.evict()
+        lodged = 0
+        for layer, cache in enumerate(state.layers):
+            store = PoolViewStore(self, self.pool.get_key_buffer(layer),
+                                  self.pool.get_value_buffer(layer))  # fmt: skip
+            try:
+                cache.move_to(store)
+                lodged += 1
+            except ValueError:
+                logger.warning("pool full: compressed KV of layer %d stays outside the pool", layer)
+        self._tenant = weakref.ref(state)
+        return lodged
+
+    def evict(self) -> None:
+        """Copy the lodged state's columns (if it is alive) into buffers of its own; after
+        this no cache reads or writes these slots, and the ledger may free them."""
+        state = self.tenant
+        self._tenant = None
+        for cache in () if state is None else state.layers:
+            if isinstance(cache.store, PoolViewStore) and cache.store.row is self:
+                cache.move_to(None)
+
+
+class PoolViewStore(ViewStore):
+    """A layer's columns in its pool buffers at a draft row's slots (see module doc).
+
+    k_buf / v_buf: the layer's pool buffers, [pool slots, H_kv, D].
+    """
+
+    def __init__(self, row: DraftRow, k_buf: Tensor, v_buf: Tensor) -> None:
+        self.row, self._k, self._v = row, k_buf, v_buf
+
+    @property
+    def capacity(self) -> int:
+        return int(self.row.slots.numel())
+
+    def ensure(self, capacity: int, keep: int) -> bool:
+        return self.row.grow_to(capacity)  # slots stay where they are: nothing moves
+
+    def write(self, start: int, keys: Tensor, values: Tensor) -> None:
+        n = keys.shape[1]
+        if start + n > self.capacity:
+            raise ValueError(f"write of columns [{start}, {start + n}) past capacity {self.capacity}")
+        at = self.row.slots[start : start + n].to(self._k.device)
+        self._k[at] = keys.transpose(0, 1).to(self._k.dtype)
+        self._v[at] = values.transpose(0, 1).to(self._v.dtype)
+
+    def read(self, start: int, end: int) -> tuple[Tensor, Tensor]:
+        at = self.row.slots[start:end].to(self._k.device)
+        return self._k[at].transpose(0, 1), self._v[at].transpose(0, 1)
+
+    def slots(self) -> Tensor:
+        return self.row.slots
+
+    @property
+    def column_bytes(self) -> int:
+        return self._k[0].nbytes + self._v[0].nbytes
