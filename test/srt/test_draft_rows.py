@@ -163,6 +163,9 @@ def test_the_offloader_lodges_a_state_and_gives_every_slot_back() -> None:
     entry = off.ledger.span(1)
     assert entry.draft_row.tenant is state
     assert all(cache.draft_slots() is not None for cache in state.layers)
+    column = 2 * H_KV * D * 4
+    assert state.nbytes_in_pool == sum(c.float_len for c in state.layers) * column
+    assert 0 < state.nbytes - state.nbytes_in_pool < state.nbytes // 10  # kept-position indices
     held = int(entry.reserved.numel())
     assert held >= max(cache.float_len for cache in state.layers)
     assert alloc.available_size() == free + T - held
@@ -171,3 +174,4 @@ def test_the_offloader_lodges_a_state_and_gives_every_slot_back() -> None:
     assert alloc.available_size() == free + T
     _assert_same(want, _views(state))
     assert all(cache.draft_slots() is None for cache in state.layers)
+    assert state.nbytes_in_pool == 0

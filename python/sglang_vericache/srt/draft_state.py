@@ -190,6 +190,13 @@ class RequestDraftState:
         """Bytes the compressed caches store (packed ints + scales + kept tokens + windows)."""
         return sum(cache.nbytes for cache in self.layers)
 
+    @property
+    def nbytes_in_pool(self) -> int:
+        """Of ``nbytes``, those lodged in pool slots (a draft row, ``srt/draft_rows.py``); the
+        rest (packed bodies, kept-position indices, columns not lodged) is beside the pool."""
+        return sum(cache.float_len * cache.store.column_bytes for cache in self.layers
+                   if cache.draft_slots() is not None)  # fmt: skip
+
     def check_integrity(self) -> None:
         for cache in self.layers:
             cache.check_integrity()

@@ -32,6 +32,7 @@ def request_meta_info(stats: VeriCacheStats | None, state: Any, span: Any,
     """
     info = (stats or VeriCacheStats.plain("prompt still in prefill")).to_meta_info()
     info["compressed_kv_bytes"] = 0 if state is None else state.nbytes
+    info["compressed_kv_bytes_in_pool"] = 0 if state is None else state.nbytes_in_pool
     info["compressed_prefix_reused_tokens"] = 0 if state is None else state.reused
     info["host_kv_tokens"] = 0 if span is None else span.host.length
     info["reserved_slots"] = 0 if span is None else int(span.reserved.numel())
