@@ -214,7 +214,12 @@ def test_prometheus_metrics_count_verifications(kivi_server, prompts) -> None:
     assert values.get("vericache:profiled_steps_total", 0) == decode_steps, sorted(values)
     assert values["vericache:step_phase_seconds_total"] > 0
     assert values.get("vericache:draft_forwards_total", 0) > 0
-    assert values.get("vericache:step_transient_bytes_peak", 0) > 0
+    # the batched CPU kernel reads a KIVI row where it lies (packed body, then its draft row's
+    # pool slots and the chain's): a draft copies nothing; SDPA, where it did not build, copies
+    from sglang_vericache.ops.cpu_draft_decode import load_cpu_draft_decode
+
+    copies = values.get("vericache:step_transient_bytes_peak", 0)
+    assert copies == 0 if load_cpu_draft_decode() is not None else copies > 0, copies
 
 
 def test_meta_info_is_current_at_the_end_of_long_and_streamed_outputs(kivi_server, prompts) -> None:
