@@ -82,6 +82,7 @@ def test_a_lodged_state_grows_exactly_like_one_in_its_own_buffers(spec: str) -> 
     for state in (own, lodged):
         _grow(state, [1, 7, 3, 150, 2])  # past several folds
         state.check_integrity()
+    row.check_integrity()
     _assert_same(_views(own), _views(lodged))
     assert own.nbytes == lodged.nbytes
     # every full-precision column is in the row's slots, and the pool counts them as used

@@ -83,8 +83,11 @@ class DraftRow:
             try:
                 cache.move_to(store)
                 lodged += 1
-            except ValueError:
-                logger.warning("pool full: compressed KV of layer %d stays outside the pool", layer)
+            except ValueError:  # the pool is full: this layer keeps its own buffer
+                pass
+        if lodged < len(state.layers):
+            logger.warning("pool full: %d of %d layers' compressed KV stay outside the pool",
+                           len(state.layers) - lodged, len(state.layers))  # fmt: skip
         self._tenant = weakref.ref(state)
         return lodged
 
@@ -96,6 +99,16 @@ class DraftRow:
         for cache in () if state is None else state.layers:
             if isinstance(cache.store, PoolViewStore) and cache.store.row is self:
                 cache.move_to(None)
+
+    def check_integrity(self) -> None:
+        """Raises AssertionError if the row's slots repeat, hold the placeholder slot 0, or are
+        fewer than a lodged layer's columns."""
+        slots = self.slots
+        assert int(slots.unique().numel()) == int(slots.numel()), "a slot twice in the row"
+        assert not bool((slots == 0).any()), "the padding slot in a draft row"
+        for cache in () if self.tenant is None else self.tenant.layers:
+            if isinstance(cache.store, PoolViewStore) and cache.store.row is self:
+                assert cache.float_len <= slots.numel(), "a layer's columns past the row"
 
 
 class PoolViewStore(ViewStore):
