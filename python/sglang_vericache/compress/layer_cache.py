@@ -103,16 +103,15 @@ class CompressedLayerCache:
         """Where the full-precision columns live (see class doc)."""
         return self._store
 
-    def move_to(self, store: ViewStore | None = None) -> ViewStore:
+    def move_to(self, store: ViewStore | None = None) -> None:
         """Copy the columns into ``store`` (None: a buffer of this cache's own) and keep them
-        there from now on; returns the store left, which this cache no longer reads or writes.
-        Raises ValueError (nothing moved) where ``store`` cannot hold them."""
+        there from now on; the old store is no longer read or written. Raises ValueError
+        (nothing moved) where ``store`` cannot hold them."""
         n = self.float_len
         store = self._private(n + GROW_MIN) if store is None else store
         if not store.ensure(n + GROW_MIN, 0):
             raise ValueError(f"move_to: the store cannot hold {n} columns")
-        old, self._store = self._store, copy_store(self._store, store, n)
-        return old
+        self._store = copy_store(self._store, store, n)
 
     @property
     def compressed(self) -> CompressedKV:

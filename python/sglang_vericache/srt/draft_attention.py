@@ -85,7 +85,7 @@ class DraftPlan:
         this step's drafts so far.
         """
         state = self.states[i]
-        if state is None:  # a few tokens: made contiguous, as the batched kernel reads them
+        if state is None:  # a few tokens, gathered (the kernel takes any token stride)
             return None, pool_k[chain].transpose(0, 1), pool_v[chain].transpose(0, 1), None, 0
         cache = state.layers[layer_id]
         block, at = cache.block, cache.float_len

@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from sglang_vericache.compress.view_store import ViewStore
+from sglang_vericache.srt.offload import read_pool_kv
 
 logger = logging.getLogger(__name__)
 
@@ -78,10 +79,8 @@ class DraftRow:
         self.evict()
         lodged = 0
         for layer, cache in enumerate(state.layers):
-            store = PoolViewStore(self, self.pool.get_key_buffer(layer),
-                                  self.pool.get_value_buffer(layer))  # fmt: skip
             try:
-                cache.move_to(store)
+                cache.move_to(PoolViewStore(self, layer))
                 lodged += 1
             except ValueError:  # the pool is full: this layer keeps its own buffer
                 pass
@@ -114,11 +113,13 @@ class DraftRow:
 class PoolViewStore(ViewStore):
     """A layer's columns in its pool buffers at a draft row's slots (see module doc).
 
-    k_buf / v_buf: the layer's pool buffers, [pool slots, H_kv, D].
+    Reads gather the slots (``read_pool_kv``); writes scatter into the layer's buffers.
     """
 
-    def __init__(self, row: DraftRow, k_buf: Tensor, v_buf: Tensor) -> None:
-        self.row, self._k, self._v = row, k_buf, v_buf
+    def __init__(self, row: DraftRow, layer: int) -> None:
+        self.row, self.layer = row, layer
+        self._k, self._v = row.pool.get_key_buffer(layer), row.pool.get_value_buffer(layer)
+        self._column_bytes = self._k[0].nbytes + self._v[0].nbytes  # asked each step (nbytes)
 
     @property
     def capacity(self) -> int:
@@ -136,12 +137,11 @@ class PoolViewStore(ViewStore):
         self._v[at] = values.transpose(0, 1).to(self._v.dtype)
 
     def read(self, start: int, end: int) -> tuple[Tensor, Tensor]:
-        at = self.row.slots[start:end].to(self._k.device)
-        return self._k[at].transpose(0, 1), self._v[at].transpose(0, 1)
+        return read_pool_kv(self.row.pool, self.layer, self.row.slots[start:end])
 
     def slots(self) -> Tensor:
         return self.row.slots
 
     @property
     def column_bytes(self) -> int:
-        return self._k[0].nbytes + self._v[0].nbytes
+        return self._column_bytes
