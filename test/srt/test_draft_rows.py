@@ -56,10 +56,9 @@ def _grow(state, steps: list[int]) -> None:
 
 def _row(kv, alloc, take=None):
     from sglang_vericache.srt.draft_rows import DraftRow
-    from sglang_vericache.srt.offload import OffloadedRow
 
     take = take or (lambda n: alloc.alloc(n).to(torch.int64))
-    return DraftRow(OffloadedRow(lo=0, host=None), kv, take)
+    return DraftRow(kv, take)
 
 
 def _views(state) -> list[tuple[torch.Tensor, ...]]:
@@ -161,13 +160,13 @@ def test_the_offloader_lodges_a_state_and_gives_every_slot_back() -> None:
     free = alloc.available_size()
     result = off.offload(1, owned_from=0, committed=T, state=state)
     assert result.moved == T
-    entry = off.ledger.span(1)
-    assert entry.draft_row.tenant is state
+    draft_row = off.ledger.draft_rows[1]
+    assert draft_row.tenant is state
     assert all(cache.draft_slots() is not None for cache in state.layers)
     column = 2 * H_KV * D * 4
     assert state.nbytes_in_pool == sum(c.float_len for c in state.layers) * column
     assert 0 < state.nbytes - state.nbytes_in_pool < state.nbytes // 10  # kept-position indices
-    held = int(entry.reserved.numel())
+    held = off.ledger.reserved(1)
     assert held >= max(cache.float_len for cache in state.layers)
     assert alloc.available_size() == free + T - held
     want = _views(state)
@@ -176,3 +175,51 @@ def test_the_offloader_lodges_a_state_and_gives_every_slot_back() -> None:
     _assert_same(want, _views(state))
     assert all(cache.draft_slots() is None for cache in state.layers)
     assert state.nbytes_in_pool == 0
+
+
+def test_a_resident_row_holds_its_compressed_kv_and_keeps_it_when_its_full_kv_moves() -> None:
+    """Pressure placement: a drafted row whose full KV stays in the pool holds slots for its
+    compressed KV too (admission sees both); when pressure moves its full KV, the same draft
+    row stays, nothing is reserved twice; releasing it for admission gives every slot back."""
+    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+
+    from sglang_vericache.srt.offloader import PoolOffloader
+
+    kv, alloc = _pool_and_alloc()
+    rows = ReqToTokenPool(2, 512, "cpu", False)
+    off = PoolOffloader(kv, rows, alloc, LAYERS)
+    rows.req_to_token[1, :T] = alloc.alloc(T).to(torch.int32)
+    state = _state("kivi:bits=4,group=16,residual=16")
+    free = alloc.available_size()
+    held = off.hold(1, state)
+    assert off.ledger.span(1) is None  # the full KV stays where it is
+    assert held == off.ledger.reserved(1) == off.slots_for(state.nbytes) > 0
+    assert alloc.available_size() == free - held
+    assert 0 < state.nbytes_in_pool < state.nbytes  # KIVI's packed codes beside the pool
+    assert off.hold(1, state) == 0  # held already: a size check
+    draft_row, want = off.ledger.draft_rows[1], _views(state)
+    result = off.offload(1, owned_from=0, committed=T, state=state)
+    assert result.moved == T and result.reserved == 0
+    assert off.ledger.draft_rows[1] is draft_row and draft_row.tenant is state
+    assert alloc.available_size() == free + T - held
+    _assert_same(want, _views(state))
+    draft_row.check_integrity()
+    assert off.release_reserved(1) == held  # dropped for admission: every slot back
+    assert alloc.available_size() == free + T and off.ledger.reserved(1) == 0
+    _assert_same(want, _views(state))  # a live state keeps its KV, copied out
+    off.drop(1)
+    assert not off.ledger.draft_rows and not off.ledger.rows
+
+
+def test_a_plain_row_holds_nothing() -> None:
+    """An offload-only row (no compressed KV) gets no draft row."""
+    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+
+    from sglang_vericache.srt.offloader import PoolOffloader
+
+    kv, alloc = _pool_and_alloc()
+    rows = ReqToTokenPool(2, 512, "cpu", False)
+    off = PoolOffloader(kv, rows, alloc, LAYERS)
+    rows.req_to_token[0, :T] = alloc.alloc(T).to(torch.int32)
+    assert off.offload(0, owned_from=0, committed=T).reserved == 0
+    assert off.hold(0) == 0 and not off.ledger.draft_rows

@@ -165,12 +165,11 @@ def test_penalizers_learn_the_token_plain_sglang_would_feed(overlapped, output, 
 def _lodge(pool, states) -> None:
     """Lodge each state in a draft row of ``pool``'s slots 300.. (clear of the test's tokens)."""
     from sglang_vericache.srt.draft_rows import DraftRow
-    from sglang_vericache.srt.offload import OffloadedRow
 
     free = iter(range(300, 512))
     take = lambda n: torch.tensor([next(free) for _ in range(n)], dtype=torch.int64)  # noqa: E731
     for state in states:
-        assert DraftRow(OffloadedRow(lo=0, host=None), LayerPool(pool), take).lodge(state) == LAYERS
+        assert DraftRow(LayerPool(pool), take).lodge(state) == LAYERS
 
 
 def _reference_draft_attention(q, state, pool, layer, chain):

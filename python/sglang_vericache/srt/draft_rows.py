@@ -1,25 +1,28 @@
 """Compressed KV in the device pool: each drafted request's draft row.
 
-When a drafted request's full KV leaves the pool (``srt/offload.py``), the ledger holds pool
-slots for its compressed KV (``OffloadedRow.reserved``). Those slots are its draft row: column j
-of every layer's full-precision view (a dropper's kept tokens, a quantizer's residual, then the
-recent window) lives in slot ``row[j]`` of that layer's pool buffers, as a request's token j
-lives in slot ``req_to_token[r, j]``. Per-head selections are already compacted (every head
-keeps the same count, keys post-RoPE), so one slot holds column j of all heads::
+Every drafted request holds pool slots for its compressed KV, as many as its bytes fill
+(``PoolOffloader.hold``), whether its full KV is still in the pool or has moved to the host:
+the allocator counts them, so admission sees what VeriCache holds. Those slots are its draft
+row: column j of every layer's full-precision view (a dropper's kept tokens, a quantizer's
+residual, then the recent window) lives in slot ``slots[j]`` of that layer's pool buffers, as
+a request's token j lives in slot ``req_to_token[r, j]``. Per-head selections are already
+compacted (every head keeps the same count, keys post-RoPE), so one slot holds column j of all
+heads::
 
     draft row           s_0   s_1   s_2  ...  s_(n-1) | s_n ... s_(cap-1)
     layer l, K and V    col 0 col 1 col 2     col n-1 | free (appends, folds)
 
 A draft forward reads a row by its slots, its chain by the chain's own slots
 (``srt/draft_attention.py``), in place. A quantized body's packed block stays a tensor of its own,
-counted in the same reservation by its bytes.
+counted in the same slots by its bytes.
 
-Lifetime: the ledger entry owns the slots. A request's ``RequestDraftState`` lodges in them
-(``lodge``) when the offloader reserves; before the ledger frees them (restore at the request's
-end, drop, release for admission), ``evict`` copies the columns of a state still alive into
-buffers of its own (a finished state parked as a demoted prefix keeps its KV), and a state no
-one holds any more is simply gone (the row holds it by weak reference). At most one state lodges
-in a row; everything runs on the scheduler thread.
+Lifetime: the ledger holds each row's draft row (``OffloadLedger.draft_rows``); the row owns
+its slots. A request's ``RequestDraftState`` lodges in them (``lodge``) when the offloader holds
+slots for it; before the slots go back to the allocator (the request's end, release for
+admission), ``release`` evicts: the columns of a state still alive are copied into buffers of
+its own (a finished state parked as a demoted prefix keeps its KV), and a state no one holds any
+more is simply gone (the row holds it by weak reference). At most one state lodges in a row;
+everything runs on the scheduler thread.
 """
 
 from __future__ import annotations
@@ -38,20 +41,17 @@ logger = logging.getLogger(__name__)
 
 
 class DraftRow:
-    """The slots of one ledger entry's reservation, as columns of compressed views.
+    """Pool slots held for one request's compressed KV, as columns of its compressed views.
 
-    entry: the ``OffloadedRow`` whose ``reserved`` slots these are (grown in place);
-    take: n -> [n] int64 fresh pool slots, or None where the pool has none.
+    take: n -> [m >= n] int64 fresh pool slots (whole pages), or None where the pool has none.
+    ``slots`` [capacity] int64: column j of every layer lives in slot ``slots[j]``; they grow
+    (``grow_to``) and go back (``release``), never move.
     """
 
-    def __init__(self, entry: Any, pool: Any, take: Callable[[int], Tensor | None]) -> None:
-        self.entry, self.pool, self._take = entry, pool, take
+    def __init__(self, pool: Any, take: Callable[[int], Tensor | None]) -> None:
+        self.pool, self._take = pool, take
+        self.slots = torch.empty(0, dtype=torch.int64)
         self._tenant: weakref.ref | None = None
-
-    @property
-    def slots(self) -> Tensor:
-        """[capacity] int64: column j of every layer lives in slot ``slots[j]``."""
-        return self.entry.reserved
 
     @property
     def tenant(self) -> Any | None:
@@ -66,8 +66,15 @@ class DraftRow:
         got = self._take(need)
         if got is None:
             return False
-        self.entry.reserved = torch.cat([self.slots, got.to(self.slots.device, torch.int64)])
+        self.slots = torch.cat([self.slots, got.to(self.slots.device, torch.int64)])
         return True
+
+    def release(self) -> Tensor:
+        """Evict the tenant and hand back every slot ([n] int64, for the caller to free); the
+        row holds none after this."""
+        self.evict()
+        slots, self.slots = self.slots, self.slots[:0]
+        return slots
 
     def lodge(self, state: Any) -> int:
         """Move ``state``'s full-precision columns into this row (the previous tenant, if any,
@@ -92,7 +99,7 @@ class DraftRow:
 
     def evict(self) -> None:
         """Copy the lodged state's columns (if it is alive) into buffers of its own; after
-        this no cache reads or writes these slots, and the ledger may free them."""
+        this no cache reads or writes these slots."""
         state = self.tenant
         self._tenant = None
         for cache in () if state is None else state.layers:

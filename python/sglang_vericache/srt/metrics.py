@@ -19,7 +19,7 @@ from sglang_vericache.verify.stats import (
 from sglang_vericache.verify.step_profile import StepProfile
 
 
-def request_meta_info(stats: VeriCacheStats | None, state: Any, span: Any,
+def request_meta_info(stats: VeriCacheStats | None, state: Any, span: Any, reserved: int,
                       ahead_used: tuple[int, int] | list[int]) -> dict[str, Any]:  # fmt: skip
     """``meta_info["vericache"]``: the request's counters plus where its KV lives now.
 
@@ -27,7 +27,8 @@ def request_meta_info(stats: VeriCacheStats | None, state: Any, span: Any,
         greedy / sampled / plain (then ``plain_reason`` says why), ``accept_rate`` and
         ``mean_accept_len`` its acceptance. state: its ``RequestDraftState`` or None; span: its
         offload ledger entry or None (``compressed_prefix_reused_tokens``: prompt positions
-        whose compressed KV came from an earlier turn's, not compressed again); ahead_used:
+        whose compressed KV came from an earlier turn's, not compressed again); reserved: pool
+        slots its draft row holds (``OffloadLedger.reserved``); ahead_used:
         drafts made while its prefix was fetched, and how many of them went to verify.
     """
     info = (stats or VeriCacheStats.plain("prompt still in prefill")).to_meta_info()
@@ -35,7 +36,7 @@ def request_meta_info(stats: VeriCacheStats | None, state: Any, span: Any,
     info["compressed_kv_bytes_in_pool"] = 0 if state is None else state.nbytes_in_pool
     info["compressed_prefix_reused_tokens"] = 0 if state is None else state.reused
     info["host_kv_tokens"] = 0 if span is None else span.host.length
-    info["reserved_slots"] = 0 if span is None else int(span.reserved.numel())
+    info["reserved_slots"] = reserved
     made, verified = ahead_used
     info["drafted_while_fetching"], info["drafted_while_fetching_verified"] = made, verified
     return info

@@ -8,9 +8,10 @@ placeholder there. What stays in the device pool per request::
     row positions  0 ........ lo | lo ............ hi | hi ...... base | base .. base+x
     pool slots     tree-owned    | placeholder (0)    | committed tail | this step's
                    shared prefix | full KV -> host    | (< TAIL_CHUNK) | draft/verify slots
-    plus           reserved slots: the request's draft row, holding its compressed KV's
-                   full-precision columns (``srt/draft_rows.py``), at least
-                   ceil(compressed bytes / slot bytes), so admission sees what VeriCache holds
+    plus           its draft row: slots holding its compressed KV's full-precision columns
+                   (``srt/draft_rows.py``), at least ceil(compressed bytes / slot bytes), so
+                   admission sees what VeriCache holds (a drafted row whose full KV is still
+                   resident holds one too)
 
 Attention reads [lo, hi) from the host buffer (``OffloadLedger.read``): for verification and for
 a plain decode step, never for drafting (drafts read the compressed view). Freed slots go back
@@ -25,7 +26,7 @@ request-to-token pool they share (``ledger_for``). Everything runs on the schedu
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
 import torch
@@ -117,13 +118,10 @@ class HostKV:
 
 @dataclass(slots=True)
 class OffloadedRow:
-    """Positions [lo, hi) of one pool row live in ``host``; ``reserved`` are held pool slots,
-    the row's compressed KV lodged in them (``draft_row``, ``srt/draft_rows.py``)."""
+    """Positions [lo, hi) of one pool row live in ``host``."""
 
     lo: int
     host: HostKV
-    reserved: Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
-    draft_row: Any = None
 
     @property
     def hi(self) -> int:
@@ -146,14 +144,17 @@ class PrefixTreeHooks(Protocol):
 
 
 class OffloadLedger:
-    """Which pool rows have offloaded ranges, and the slots held for their compressed KV.
+    """Which pool rows have offloaded ranges (``rows``), and which hold pool slots for their
+    compressed KV (``draft_rows``: resident and offloaded rows alike, ``srt/draft_rows.py``).
 
-    Mutated by the worker (``offload``, ``reserve``) and by the prefix cache (``release``) on the
-    scheduler thread only; readers (the attention backend) use ``read`` during forwards.
+    Mutated by the offloader (``PoolOffloader``: for the worker, and for the prefix cache when
+    SGLang releases a row) on the scheduler thread only; readers (the attention backend) use
+    ``read`` during forwards.
     """
 
     def __init__(self) -> None:
         self.rows: dict[int, OffloadedRow] = {}
+        self.draft_rows: dict[int, Any] = {}  # pool row -> its DraftRow (srt/draft_rows.py)
         self.freed_slots = 0  # pool slots ever given back by offloads (admission watches it)
         # Slots the last admission attempt lacked for a waiting request (0: none lacked); set by
         # the admission hook, relieved by the worker offloading resident rows (placement.py).
@@ -197,11 +198,17 @@ class OffloadLedger:
         return entry
 
     def release(self, row: int) -> OffloadedRow | None:
-        """Forget ``row`` (its request left the pool); the caller frees ``reserved``."""
+        """Forget ``row``'s host range (its KV is back in the pool, or its request left)."""
         return self.rows.pop(row, None)
 
+    def reserved(self, row: int) -> int:
+        """Pool slots ``row`` holds for its compressed KV (its draft row's)."""
+        draft_row = self.draft_rows.get(row)
+        return 0 if draft_row is None else int(draft_row.slots.numel())
+
     def reserved_slots(self) -> int:
-        return sum(int(e.reserved.numel()) for e in self.rows.values())
+        """Pool slots every row holds for compressed KV."""
+        return sum(int(d.slots.numel()) for d in self.draft_rows.values())
 
     def read(self, pool: Any, table: Tensor, layer: int, row: int, end: int
              ) -> tuple[Tensor, Tensor]:  # fmt: skip
@@ -244,7 +251,14 @@ class OffloadLedger:
         return keys, values
 
     def check_integrity(self, table: Tensor | None = None) -> None:
-        """Ranges are non-empty; with ``table``, offloaded entries hold the placeholder."""
+        """Ranges are non-empty; with ``table``, offloaded entries hold the placeholder; no slot
+        is in two draft rows."""
+        for draft_row in self.draft_rows.values():
+            draft_row.check_integrity()
+        held = [d.slots for d in self.draft_rows.values()]
+        if held:
+            slots = torch.cat(held)
+            assert int(slots.unique().numel()) == int(slots.numel()), "a slot in two draft rows"
         for row, entry in self.rows.items():
             assert entry.lo >= 0 and entry.host.length > 0, f"row {row}: empty offload"
             if table is not None:

@@ -1,8 +1,10 @@
-"""Moves committed full KV between SGLang's pool and the host ledger (layout: ``offload.py``).
+"""Moves committed full KV between SGLang's pool and the host ledger (layout: ``offload.py``),
+and holds each drafted row's compressed KV in pool slots (``hold``, ``srt/draft_rows.py``).
 
-The worker calls ``offload`` after a request's prefill and after each commit; the ``vericache``
-prefix cache calls ``restore`` / ``drop`` when SGLang releases the request's row. All slot
-arithmetic is page-aligned, so paged allocators free whole pages::
+The worker calls ``offload`` after a request's prefill and after each commit (``hold`` for a
+drafted row whose full KV stays resident); the ``vericache`` prefix cache calls ``restore`` /
+``drop`` when SGLang releases the request's row. All slot arithmetic is page-aligned, so paged
+allocators free whole pages::
 
     page_size = 4, tree-owned prefix 6, committed 23:
     positions   0   4   8  12  16  20  23
@@ -106,12 +108,8 @@ class PoolOffloader:
 
         owned_from: first position the request owns (tree-owned positions before it stay);
         lo continues the row's host range. Moves nothing unless at least ``min_tokens``
-        (default ``tail_tokens``) are due. Then tops the row's reserved slots up to
-        ``ceil(compressed_bytes / slot_bytes)``.
-
-        state: the row's ``RequestDraftState`` (then ``compressed_bytes`` is its ``nbytes``):
-        its full-precision columns lodge in the reserved slots, its draft row
-        (``srt/draft_rows.py``), so its compressed KV lives in the pool it is counted in.
+        (default ``tail_tokens``) are due. Then ``hold``s the row's compressed KV
+        (``state``, or ``compressed_bytes`` of it where there is no state).
 
         req: the row's request, where the prefix tree takes part (``PrefixTreeHooks.adopt``):
         then a row's first offload moves the whole row from position 0, the tree keeps the
@@ -137,18 +135,29 @@ class PoolOffloader:
         own = slots if tree is None else tree.adopt(req, slots, owned_from)
         self.allocator.free(own)
         self.ledger.freed_slots += hi - lo
-        if state is not None:
-            compressed_bytes = state.nbytes
-        held = self._reserve(entry, compressed_bytes)
-        if state is not None:
-            self._lodge(entry, state)
-        return OffloadResult(moved=hi - lo, reserved=held)
+        return OffloadResult(moved=hi - lo, reserved=self.hold(row, state, compressed_bytes))
 
-    def _lodge(self, entry: Any, state: Any) -> None:
-        """Lodge ``state`` in ``entry``'s reserved slots (see ``srt/draft_rows.py``)."""
-        if entry.draft_row is None:
-            entry.draft_row = DraftRow(entry, self.pool, self._take)
-        entry.draft_row.lodge(state)
+    def hold(self, row: int, state: Any = None, compressed_bytes: int = 0) -> int:
+        """Hold pool slots for ``row``'s compressed KV, at least ``ceil(bytes / slot_bytes)``
+        (whole pages), in its draft row (``srt/draft_rows.py``), and lodge ``state`` there.
+
+        state: the row's ``RequestDraftState`` (its ``nbytes`` count, not ``compressed_bytes``):
+        its full-precision columns move into the slots, so its compressed KV lives in the pool
+        it is counted in. A state already lodged costs a size check. Returns slots added; where
+        the pool lacks them, fewer (``reserve_shortfall``, logged).
+        """
+        need = self.slots_for(compressed_bytes if state is None else state.nbytes)
+        draft_row = self.ledger.draft_rows.get(row)
+        if draft_row is None:
+            if state is None and need == 0:
+                return 0  # a plain row: nothing to hold
+            draft_row = self.ledger.draft_rows[row] = DraftRow(self.pool, self._take)
+        before = int(draft_row.slots.numel())
+        if need > before:
+            draft_row.grow_to(need)
+        if state is not None:
+            draft_row.lodge(state)
+        return int(draft_row.slots.numel()) - before
 
     def _new_host(self, committed: int, req: Any) -> HostKV:
         """A row's host buffer, sized for ``committed`` tokens and what ``req`` may still emit
@@ -161,18 +170,6 @@ class PoolOffloader:
     def slots_for(self, nbytes: int) -> int:
         """Pool slots worth ``nbytes`` of compressed KV, in whole pages (0 for 0 bytes)."""
         return math.ceil(nbytes / self.slot_bytes / self.page) * self.page
-
-    def _reserve(self, entry: Any, compressed_bytes: int) -> int:
-        """Hold pool slots worth ``compressed_bytes`` for the row (its share of the budget)."""
-        need = self.slots_for(compressed_bytes)
-        extra = need - int(entry.reserved.numel())
-        if extra <= 0:
-            return 0
-        got = self._take(extra)
-        if got is None:
-            return 0
-        entry.reserved = torch.cat([entry.reserved.to(got.device), got])
-        return extra
 
     def _take(self, n: int) -> Tensor | None:
         """[n] int64 fresh pool slots for compressed KV (cached nodes evicted if they must be),
@@ -194,14 +191,14 @@ class PoolOffloader:
 
         held: [k] pool slots of the range's first k positions that the prefix tree already
         holds (its adopted prompt, usually), locked by the caller: the row points at them and
-        only the other positions are copied into fresh slots. Frees the row's reserved slots
+        only the other positions are copied into fresh slots. Frees the row's draft row
         first; ``evict(n)`` may free cached slots. Returns False (row unchanged, still
         offloaded) when the pool cannot take the rest.
         """
         entry = self.ledger.span(row)
         if entry is None:
             return True
-        self._free_reserved(entry)
+        self._free_reserved(row)
         k = 0 if held is None else int(held.numel())
         n = entry.hi - entry.lo - k
         slots = self.allocator.alloc(n) if n > 0 else torch.empty(0, dtype=torch.int64)
@@ -220,28 +217,25 @@ class PoolOffloader:
         return True
 
     def release_reserved(self, row: int) -> int:
-        """Free ``row``'s reserved compressed-KV slots (its compressed KV is dropped; its full KV
-        stays offloaded). Returns the slots freed; admission sees them (``freed_slots``)."""
-        entry = self.ledger.span(row)
-        if entry is None:
-            return 0
-        n = int(entry.reserved.numel())
-        self._free_reserved(entry)
+        """Free ``row``'s compressed-KV slots (its compressed KV is dropped; its full KV stays
+        where it is). Returns the slots freed; admission sees them (``freed_slots``)."""
+        n = self._free_reserved(row)
         self.ledger.freed_slots += n
         return n
 
     def drop(self, row: int) -> None:
-        """Forget ``row``'s host range and free its reserved slots (its request is gone)."""
-        entry = self.ledger.release(row)
-        if entry is not None:
-            self._free_reserved(entry)
+        """Forget ``row``'s host range and free its draft row (its request is gone)."""
+        self.ledger.release(row)
+        self._free_reserved(row)
 
-    def _free_reserved(self, entry: Any) -> None:
-        if entry.draft_row is not None:
-            entry.draft_row.evict()  # a state that lives on keeps its columns, copied out
-        if entry.reserved.numel():
-            self.allocator.free(entry.reserved)
-            entry.reserved = entry.reserved[:0]
+    def _free_reserved(self, row: int) -> int:
+        """Free ``row``'s draft row (a state that lives on keeps its columns, copied out);
+        returns the slots freed."""
+        draft_row = self.ledger.draft_rows.pop(row, None)
+        slots = torch.empty(0, dtype=torch.int64) if draft_row is None else draft_row.release()
+        if slots.numel():
+            self.allocator.free(slots)
+        return int(slots.numel())
 
     def owned_ranges(self, row: int, ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
         """``ranges`` of row positions minus the row's offloaded range (no slots there)."""

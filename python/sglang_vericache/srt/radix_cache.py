@@ -14,8 +14,9 @@ only where a drafted request's row holds placeholders instead of slots (``srt/of
   the rest back from the host into fresh pool slots, and the whole sequence is inserted as
   usual, so the next turn of a conversation hits it (when the pool cannot take the rest, only
   the part the tree holds is kept);
-- ``free_kv_row`` never frees the placeholders, and ``on_release`` frees the compressed KV's
-  reserved slots, so the idle check ``available + evictable + protected == total`` holds.
+- ``free_kv_row`` never frees the placeholders, and ``on_release`` frees the request's draft
+  row (its compressed KV's slots), so the idle check ``available + evictable + protected ==
+  total`` holds.
 
 Requests decoded plainly (sampling, logprobs, ...) are cached exactly as without
 ``--vericache``.
@@ -310,7 +311,8 @@ class VeriCacheRadixCache(RadixCache):
             self.tier_metrics.observe(self.remote, demoted)
 
     def reset(self) -> None:
-        for row in list(self.offloader.ledger.rows):
+        ledger = self.offloader.ledger
+        for row in set(ledger.rows) | set(ledger.draft_rows):
             self.offloader.drop(row)
         if self.ahead is not None:
             self.ahead.store.clear()  # the flush clears the allocator next, its slots too

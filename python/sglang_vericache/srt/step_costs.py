@@ -120,7 +120,7 @@ def _reservations(batch: Any, drafted: Sequence[int], ledger: Any) -> list[tuple
     pool_rows = batch.req_pool_indices.tolist()
     held = []
     for i in drafted:
-        span = ledger.span(pool_rows[i])
-        if span is not None and span.reserved.numel():
-            held.append((int(span.reserved.numel()), i))
+        reserved = ledger.reserved(pool_rows[i])
+        if reserved:
+            held.append((reserved, i))
     return held

@@ -13,8 +13,8 @@ gets every extend (prefill) and decode batch. Per decode step and request::
              by the next step)
     offload: while admission or the next step is short of pool slots, resident full KV moves
              to host memory (largest first; then its tail: ``PoolOffloader.tail_tokens``) and
-             its pool slots go back to the allocator; only the compressed KV's share stays
-             reserved in the pool (``placement.py``, ``srt/offload.py``)
+             its pool slots go back to the allocator; its compressed KV stays in the pool,
+             in its draft row (``placement.py``, ``srt/offload.py``, ``srt/draft_rows.py``)
 
 A prefill step returns its first tokens before the rest of its work: each drafted request's
 compressed KV and the move of its full KV to the host run first thing in the worker's next
@@ -178,12 +178,14 @@ class VeriCacheWorker(DecodeSteps, BaseSpecWorker):
 
     def _offload(self, req: Any, row: int, committed: int,
                  state: RequestDraftState | None) -> None:  # fmt: skip
-        """Move an offloaded row's newly committed KV to host memory too, and lodge ``state``
-        (its compressed KV, or None) in the slots reserved for it. Under pressure placement a
-        row still in the pool stays there until pressure moves it (``relieve_pressure``);
-        eager placement and offload-only always move."""
+        """Move an offloaded row's newly committed KV to host memory too, and hold ``state``
+        (its compressed KV, or None) in pool slots (its draft row). Under pressure placement a
+        row still in the pool stays there until pressure moves it (``relieve_pressure``), its
+        compressed KV held beside it; eager placement and offload-only always move."""
         span = self.offloader.ledger.span(row)
         if not (self.offload_only or self.eager_offload) and span is None:
+            if state is not None:
+                self.offloader.hold(row, state)
             return
         owned_from = int(req.kv.cache_protected_len)
         self.offloader.offload(row, owned_from, committed, req=req, state=state)
@@ -330,6 +332,6 @@ class VeriCacheWorker(DecodeSteps, BaseSpecWorker):
 
     def _meta_info(self, rid: str, row: int) -> dict[str, Any]:
         """``meta_info["vericache"]`` of one request (``srt/metrics.py``)."""
-        return request_meta_info(self.book.stats(rid), self.states.get(rid),
-                                 self.offloader.ledger.span(row),
-                                 self.book.ahead_used.get(rid, (0, 0)))  # fmt: skip
+        ledger = self.offloader.ledger
+        return request_meta_info(self.book.stats(rid), self.states.get(rid), ledger.span(row),
+                                 ledger.reserved(row), self.book.ahead_used.get(rid, (0, 0)))
