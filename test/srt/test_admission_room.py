@@ -1,6 +1,7 @@
 """Pool room for admission on SGLang's real CPU pools: a finished prefill's offload settled
 before an attempt counts free slots, and drafted rows' compressed-KV reservations released for
-the requests waiting behind them (``srt/admission.py``, ``srt/step_costs.py``)."""
+the requests waiting behind them (``srt/admission.py``, ``srt/step_costs.py``), and a resident
+drafted row's compressed KV counted in what it may still take."""
 
 from __future__ import annotations
 
@@ -11,6 +12,17 @@ from test_offload import LAYERS, _fill_row, _pools
 pytestmark = pytest.mark.sglang
 
 
+def _release(batch, drafted: list[int], off) -> list[int]:
+    """What the worker does where drafting does not pay: the rows ``rows_to_release`` names
+    drop their compressed KV and free its slots."""
+    from sglang_vericache.srt.step_costs import rows_to_release
+
+    rows = rows_to_release(batch, drafted, off.ledger)
+    for i in rows:
+        off.release_reserved(int(batch.req_pool_indices[i]))
+    return rows
+
+
 def test_release_for_admission_frees_the_largest_reservations_until_the_deficit_is_covered() -> None:
     """A request waits for room the drafted rows' compressed KV holds: the planner hears of it
     only when those slots would cover its deficit. Where drafting does not pay, offloaded rows
@@ -19,7 +31,7 @@ def test_release_for_admission_frees_the_largest_reservations_until_the_deficit_
     from types import SimpleNamespace
 
     from sglang_vericache.srt.offloader import PoolOffloader
-    from sglang_vericache.srt.step_costs import joining_contexts, release_for_admission
+    from sglang_vericache.srt.step_costs import joining_contexts
 
     kv, rows, alloc = _pools(1)
     off = PoolOffloader(kv, rows, alloc, LAYERS)
@@ -28,7 +40,7 @@ def test_release_for_admission_frees_the_largest_reservations_until_the_deficit_
         off.offload(row, 0, 60, reserve * off.slot_bytes)
     _fill_row(rows, alloc, 3, 20)  # resident: nothing reserved, nothing to give
     batch = SimpleNamespace(req_pool_indices=torch.tensor([0, 1, 2, 3]))
-    assert release_for_admission(batch, [0, 1, 2, 3], off) == []  # nobody waits for room
+    assert _release(batch, [0, 1, 2, 3], off) == []  # nobody waits for room
     assert joining_contexts(batch, [0, 1, 2, 3], off) == []
     off.ledger.admission_deficit, off.ledger.waiting_asks = 61, [("a", 500, 100)]
     assert joining_contexts(batch, [0, 1, 2, 3], off) == []  # 60 slots held: it would not fit
@@ -40,11 +52,11 @@ def test_release_for_admission_frees_the_largest_reservations_until_the_deficit_
     assert joining_contexts(batch, [1, 2], off) == [500]  # 50 held: "b" would not fit too
     off.ledger.waiting_asks = [("a", 500, 100)]
     free0, freed0 = alloc.available_size(), off.ledger.freed_slots
-    assert release_for_admission(batch, [0, 1, 2, 3], off) == [1]  # 30 slots cover 25
+    assert _release(batch, [0, 1, 2, 3], off) == [1]  # 30 slots cover 25
     assert alloc.available_size() == free0 + 30 and off.ledger.freed_slots == freed0 + 30
     assert off.ledger.reserved(1) == 0 and off.ledger.span(1).host.length == 60
     off.ledger.admission_deficit = 25
-    assert release_for_admission(batch, [0, 1, 2], off) == [2, 0]  # 20 + 10
+    assert _release(batch, [0, 1, 2], off) == [2, 0]  # 20 + 10
     off.ledger.check_integrity(rows.req_to_token)
 
 
@@ -54,7 +66,7 @@ def test_release_for_admission_frees_room_for_every_request_that_joins() -> None
     from types import SimpleNamespace
 
     from sglang_vericache.srt.offloader import PoolOffloader
-    from sglang_vericache.srt.step_costs import joining_contexts, release_for_admission
+    from sglang_vericache.srt.step_costs import joining_contexts
 
     kv, rows, alloc = _pools(1)
     off = PoolOffloader(kv, rows, alloc, LAYERS)
@@ -65,7 +77,7 @@ def test_release_for_admission_frees_room_for_every_request_that_joins() -> None
     off.ledger.admission_deficit = 25
     off.ledger.waiting_asks = [("a", 500, 100), ("b", 400, 30)]
     assert joining_contexts(batch, [0, 1, 2], off) == [500, 400]
-    assert release_for_admission(batch, [0, 1, 2], off) == [1, 2, 0]  # 30 + 20 < 55: row 0 too
+    assert _release(batch, [0, 1, 2], off) == [1, 2, 0]  # 30 + 20 < 55: row 0 too
     off.ledger.check_integrity(rows.req_to_token)
 
 

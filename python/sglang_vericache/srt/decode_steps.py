@@ -40,8 +40,8 @@ from sglang_vericache.srt.row_sampling import commit_verify
 from sglang_vericache.srt.step_costs import (
     joining_contexts,
     plain_shape,
-    release_for_admission,
     relieve_pressure,
+    rows_to_release,
     step_rows,
     verify_shape,
 )
@@ -86,8 +86,11 @@ class DecodeSteps:
     def _demote_for_room(self, batch, drafted: list[int]) -> None:
         """Drafting does not pay and admission is short: rows whose compressed KV held pool
         slots drop it and decode from their offloaded full KV from now on (offload-only)."""
-        for i in release_for_admission(batch, drafted, self.offloader):
+        rows = batch.req_pool_indices.tolist()
+        for i in rows_to_release(batch, drafted, self.offloader.ledger):
+            # the state first: a state no one holds is not copied out of the slots it leaves
             self.book.demote(batch.reqs[i].rid)
+            self.offloader.release_reserved(rows[i])
             logger.info("request %s: compressed KV dropped for admission (drafting does not "
                         "pay); it decodes offload-only", batch.reqs[i].rid)  # fmt: skip
 

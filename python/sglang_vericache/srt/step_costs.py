@@ -6,9 +6,9 @@
   the cost fit (``verify/step_cost.py``; draft forwards: ``ForwardShape.draft``);
 - ``relieve_pressure``: offload resident drafted rows while admission or the next step is short
   of pool slots (``placement.py``);
-- ``joining_contexts`` / ``release_for_admission``: the requests waiting for the slots that
-  drafted rows' compressed KV holds, and, where drafting does not pay (with those requests in a
-  plain batch), freeing those slots for them (the rows then decode offload-only).
+- ``joining_contexts`` / ``rows_to_release``: the requests waiting for the slots that drafted
+  rows' compressed KV holds, and, where drafting does not pay (with those requests in a plain
+  batch), the rows whose slots to free for them (the rows then decode plainly).
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ def joining_contexts(batch: Any, drafted: Sequence[int], offloader: Any) -> list
     make room for, in queue order: the one admission could not fit (``admission_deficit``
     slots short), then each behind it while the slots still cover their asks; none when they
     do not cover the first. The planner weighs plain decoding with these requests in the batch
-    (``verify/step_plan.py``); ``release_for_admission`` frees the slots they need."""
+    (``verify/step_plan.py``); ``rows_to_release`` names the rows whose slots they need."""
     ledger = offloader.ledger
     if ledger.admission_deficit <= 0 or not ledger.waiting_asks:
         return []
@@ -82,23 +82,21 @@ def joining_contexts(batch: Any, drafted: Sequence[int], offloader: Any) -> list
     return [context for _, context, _ in _joining(ledger, held)]
 
 
-def release_for_admission(batch: Any, drafted: Sequence[int], offloader: Any) -> list[int]:
-    """Rows (of ``drafted``) whose reserved compressed-KV slots are freed for admission: the
-    largest reservations first, until they cover what the joining requests lack (at least the
-    deficit admission reported). Call only where drafting does not pay; the caller drops those
-    rows' compressed KV."""
-    ledger = offloader.ledger
+def rows_to_release(batch: Any, drafted: Sequence[int], ledger: Any) -> list[int]:
+    """Rows (of ``drafted``) whose compressed-KV slots admission needs: the largest draft rows
+    first, until they cover what the joining requests lack (at least the deficit admission
+    reported). Call only where drafting does not pay; the caller drops those rows' compressed
+    KV, then frees their slots (``PoolOffloader.release_reserved``)."""
     if ledger.admission_deficit <= 0:
         return []
     held = _reservations(batch, drafted, ledger)
     joining = _joining(ledger, sum(slots for slots, _ in held))
     target = ledger.admission_deficit + sum(ask for _, _, ask in joining[1:])
-    pool_rows = batch.req_pool_indices.tolist()
     released, freed = [], 0
-    for _, i in sorted(held, reverse=True):
+    for slots, i in sorted(held, reverse=True):
         if freed >= target:
             break
-        freed += offloader.release_reserved(pool_rows[i])
+        freed += slots
         released.append(i)
     return released
 
