@@ -187,17 +187,31 @@ def _reference_draft_attention(q, state, pool, layer, chain):
 
 @pytest.mark.parametrize("spec", ["snapkv:ratio=0.5", "kivi:bits=4",
                                   "pyramid(snapkv:ratio=0.5):beta=2", "full"])  # fmt: skip
-@pytest.mark.parametrize("batched", [False, True], ids=["sdpa-per-row", "cpu-kernel"])
+@pytest.mark.parametrize("batched", ["sdpa", "kernel", "paged"],
+                         ids=["sdpa-per-row", "cpu-kernel", "paged-decode"])  # fmt: skip
 @pytest.mark.parametrize("lodged", [False, True], ids=["own-buffers", "pool-slots"])
-def test_draft_plan_equals_attention_over_view_and_chain(pool, spec: str, batched: bool,
+def test_draft_plan_equals_attention_over_view_and_chain(pool, spec: str, batched: str,
                                                         lodged: bool) -> None:  # fmt: skip
     """Each row gets what attending over its own compressed view + draft chain gives; a row
     without a state attends over its chain only. The batched CPU kernel reads every view in
     place: a buffer of its own (the chain written after the view leaves the view as it was), or
     its draft row's pool slots and the chain's slots; a quantized body packed. The SDPA path
-    copies a quantized body dequantized, and a lodged view gathered from its slots."""
+    copies a quantized body dequantized, and a lodged view gathered from its slots. A paged
+    decoder (a GPU's FlashInfer; here its torch reference behind the same plan/run) reads a
+    batch whose every view is in pool slots without a packed body as pages of one token,
+    planned once per draft forward (per layer where a pyramid's layers differ); any other batch
+    takes the SDPA path."""
     from sglang_vericache.ops.cpu_draft_decode import load_cpu_draft_decode
+    from sglang_vericache.ops.dropped_decode import TorchDroppedKVDecoder
     from sglang_vericache.srt.draft_attention import DraftPlan
+
+    class Counted(TorchDroppedKVDecoder):
+        plans = 0
+
+        def plan(self, *args, **kw) -> None:
+            Counted.plans += 1
+            super().plan(*args, **kw)
+
     from sglang_vericache.srt.draft_state import RequestDraftState
 
     compressor = build_compressor(spec)
@@ -211,9 +225,10 @@ def test_draft_plan_equals_attention_over_view_and_chain(pool, spec: str, batche
     if lodged:
         _lodge(pool, states[:2])
     before = [[v[0].clone() for v in s.views()] for s in states[:2]]
-    kernel = load_cpu_draft_decode() if batched else None
-    assert kernel is not None or not batched, "the CPU draft-attention kernel did not build"
-    plan = DraftPlan([T + 3, T // 2 + 3, 5], states, drafts=3, kernel=kernel)
+    kernel = load_cpu_draft_decode() if batched == "kernel" else None
+    assert kernel is not None or batched != "kernel", "the CPU draft-attention kernel did not build"
+    paged = Counted() if batched == "paged" else None
+    plan = DraftPlan([T + 3, T // 2 + 3, 5], states, drafts=3, kernel=kernel, paged=paged)
     q = torch.randn(3, H_Q, D)
     for n_chain in (1, 2, 3):  # the chain grows by one per draft forward
         chains = [torch.arange(150 + 10 * i, 150 + 10 * i + n_chain) for i in range(3)]
@@ -225,7 +240,13 @@ def test_draft_plan_equals_attention_over_view_and_chain(pool, spec: str, batche
     for state, keys in zip(states[:2], before):
         state.check_integrity()
         assert all(torch.equal(k, v[0]) for k, v in zip(keys, state.views()))
-    if batched:
+    read_paged = batched == "paged" and lodged and not spec.startswith("kivi")
+    if read_paged:  # once per forward, and again at each layer whose views differ (a pyramid)
+        lens = [tuple(s.layers[layer].float_len for s in states[:2]) for layer in range(LAYERS)]
+        assert Counted.plans == 3 * (1 + sum(a != b for a, b in zip(lens, lens[1:])))
+    else:
+        assert Counted.plans == 0
+    if batched == "kernel" or read_paged:
         assert plan.transient_bytes == 0
     elif lodged or spec.startswith("kivi"):  # gathered or dequantized, one layer of the batch
         copied = sum(s.view_tokens + 3 for s in states[:2] if lodged or s.layers[0].block)

@@ -5,7 +5,8 @@
 - reference.py       float32 torch references (ground truth and CPU path)
 - quant_decode.py    plan/run wrapper: Triton split-K decode over quantized pages + window
 - triton/            the Triton kernels (imported lazily; Triton is optional on CPU)
-- dropped_decode.py  drafting over kept-token pages: FlashInfer on CUDA, torch otherwise
+- dropped_decode.py  drafting over kept-token pages (a pool's draft rows): FlashInfer on CUDA,
+                     checked against its torch reference
 - prefetch.py        FullKVPrefetcher: async pinned host -> device full-KV copies (submit/poll)
 - cpu_draft_decode.py  batched draft attention on CPU (C++ in csrc/, built on first use)
 """
@@ -13,7 +14,7 @@
 from sglang_vericache.ops.dropped_decode import (
     DroppedKVDecoder,
     PagedDecodeGeometry,
-    make_dropped_kv_decoder,
+    paged_draft_decoder,
 )
 from sglang_vericache.ops.layout import QuantPagedBatch, QuantPagedKVCache, RecentWindowKV
 from sglang_vericache.ops.prefetch import FullKVPrefetcher
@@ -37,5 +38,5 @@ __all__ = [
     "QuantPagedKVCache",
     "RecentWindowKV",
     "build_quant_paged_batch",
-    "make_dropped_kv_decoder",
+    "paged_draft_decoder",
 ]

@@ -3,9 +3,13 @@
 The kept tokens of each request (original positions, post-RoPE keys) live in full-precision
 pages; the batch is described in FlashInfer's CSR form. On CUDA with FlashInfer installed this
 uses ``flashinfer.BatchDecodeWithPagedKVCacheWrapper`` (plan once per batch, run per layer);
-otherwise a torch path (gather + float32 attention) with the same plan/run interface.
+the torch path (gather + float32 attention) behind the same plan/run interface is the reference
+it is checked against.
 
 Page layout (FlashInfer "NHD"): k_pages, v_pages: [num_pages, P, H_kv, D] in the KV dtype.
+SGLang's token pool is that layout with pages of one token (``[slots, H_kv, D]``, unsqueezed):
+drafting on a GPU decodes over its draft rows there (``paged_draft_decoder``,
+``srt/draft_attention.py``).
 """
 
 from __future__ import annotations
@@ -13,12 +17,17 @@ from __future__ import annotations
 import abc
 import importlib
 import importlib.util
+import logging
 import math
 from dataclasses import dataclass
 
 import torch
 
 from sglang_vericache.ops.reference import paged_decode_reference
+
+logger = logging.getLogger(__name__)
+
+WORKSPACE_BYTES = 128 * 2**20  # FlashInfer's advised decode workspace
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,11 +115,43 @@ def flashinfer_usable(device: torch.device) -> bool:
             and importlib.util.find_spec("flashinfer") is not None)
 
 
-def make_dropped_kv_decoder(device: torch.device,
-                            workspace: torch.Tensor | None = None) -> DroppedKVDecoder:
-    """FlashInfer when usable on `device` (workspace required then), else the torch path."""
-    if flashinfer_usable(device):
-        if workspace is None:
-            raise ValueError("FlashInfer needs a caller-owned uint8 workspace on the device")
-        return FlashInferDroppedKVDecoder(workspace)
-    return TorchDroppedKVDecoder()
+def agrees_with_reference(decoder: DroppedKVDecoder, geometry: PagedDecodeGeometry,
+                          device: torch.device, seed: int = 0) -> bool:  # fmt: skip
+    """Whether ``decoder`` decodes a small random batch (3 rows of 1-17 scattered pages, last
+    pages part full) as the float32 reference does, within the dtype's rounding."""
+    g = torch.Generator().manual_seed(seed)
+    p, h_kv, d = geometry.page_size, geometry.num_kv_heads, geometry.head_dim
+    k_pages, v_pages = (torch.randn(64, p, h_kv, d, generator=g).to(device, geometry.dtype)
+                        for _ in range(2))  # fmt: skip
+    q = torch.randn(3, geometry.num_q_heads, d, generator=g).to(device, geometry.dtype)
+    indptr = torch.tensor([0, 5, 22, 23], dtype=torch.int32, device=device)
+    indices = torch.randperm(64, generator=g)[:23].to(device, torch.int32)
+    last = torch.tensor([p, max(p // 2, 1), 1], dtype=torch.int32, device=device)
+    outs = []
+    for candidate in (decoder, TorchDroppedKVDecoder()):
+        candidate.plan(indptr, indices, last, geometry)
+        outs.append(candidate.run(q, k_pages, v_pages).float())
+    got, want = outs
+    tol = 1e-4 if geometry.dtype == torch.float32 else 2e-2
+    return bool(torch.allclose(got, want, rtol=tol, atol=tol))
+
+
+def paged_draft_decoder(device: torch.device,
+                        geometry: PagedDecodeGeometry) -> DroppedKVDecoder | None:  # fmt: skip
+    """The paged decoder drafts use on ``device``: FlashInfer's where it is usable there and
+    agrees with the reference on a check run once, here (start-up); None elsewhere, the reason
+    logged (a CPU drafts with its own kernel, ``ops/cpu_draft_decode.py``; otherwise one SDPA
+    call per row serves)."""
+    if not flashinfer_usable(device):
+        return None
+    try:
+        workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        decoder = FlashInferDroppedKVDecoder(workspace)
+        if agrees_with_reference(decoder, geometry, device):
+            return decoder
+        logger.warning("FlashInfer's paged decode disagrees with the reference for %s; drafts "
+                       "attend with one SDPA call per row", geometry)  # fmt: skip
+    except Exception as exc:  # a JIT build that fails, an unsupported head layout
+        logger.warning("FlashInfer's paged decode unavailable for %s (%s: %s); drafts attend "
+                       "with one SDPA call per row", geometry, type(exc).__name__, exc)  # fmt: skip
+    return None

@@ -4,8 +4,9 @@
 methods, the way SGLang splits its scheduler into mixins; they read the worker's attributes:
 ``book``/``states`` (per-request records), ``offloader``, ``attn``, ``target_worker``,
 ``draft_length`` (planner and cost fit), ``clock`` (the step profile), ``metrics``, ``ahead``,
-``generator``, ``compressor``, ``precision`` (draft weights), ``draft_kernel`` (batched draft
-attention), ``num_layers``, ``offload_only``, ``device`` and ``speculative_num_draft_tokens``.
+``generator``, ``compressor``, ``precision`` (draft weights), ``draft_kernel`` / ``paged_draft``
+(batched draft attention: the CPU kernel, a GPU's paged decode), ``num_layers``,
+``offload_only``, ``device`` and ``speculative_num_draft_tokens``.
 Everything runs on the scheduler thread.
 
     _decode_step  prepare: compressed views in step, pressure offload, draft-or-plain plan
@@ -144,7 +145,7 @@ class DecodeSteps:
         for i in drafted:
             states[i] = self.states[batch.reqs[i].rid]
         plan = self.attn.draft = DraftPlan(base.tolist(), states, rows.shape[1] - 1,
-                                           self.draft_kernel)  # fmt: skip
+                                           self.draft_kernel, self.paged_draft)  # fmt: skip
         spent = 0.0
         try:
             for j in range(rows.shape[1] - 1):

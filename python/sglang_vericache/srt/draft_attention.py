@@ -1,16 +1,16 @@
 """Draft attention over compressed views, in place: planned once per step, run per layer.
 
 A compressed cache keeps its full-precision columns (a dropper's kept tokens, a quantizer's
-residual, then the recent window) in a ``ViewStore``. Once its request's full KV has left the
-pool, that store is the request's draft row: pool slots the allocator counts
-(``srt/draft_rows.py``). A draft forward reads such a row by slot, its chain (this step's drafts,
-whose KV the forward wrote to their own pool slots) by the chain's slots, so neither is copied::
+residual, then the recent window) in a ``ViewStore``: normally the request's draft row, pool
+slots the allocator counts (``srt/draft_rows.py``). A draft forward reads such a row by slot,
+its chain (this step's drafts, whose KV the forward wrote to their own pool slots) by the
+chain's slots, so neither is copied::
 
     row i, layer l   | packed body (KIVI codes, scales) | draft row slots ....... | chain slots |
                        read as stored, if any            s_0 .. s_(n_float - 1)    from req_to_token
 
-A cache still in a buffer of its own (its request's full KV is resident) has free room after
-its columns; the forward writes the chain's KV there and reads the buffer's head::
+A cache in a buffer of its own (the pool had no slot for it, or no worker lodged it) has free
+room after its columns; the forward writes the chain's KV there and reads the buffer's head::
 
     buffer of row i, layer l   | columns (body | window) | chain (scratch) | free |
                                0                  float_len    + n_chain
@@ -18,15 +18,24 @@ its columns; the forward writes the chain's KV there and reads the buffer's head
 Queries sit at their true positions (keys are post-RoPE, so a view's gaps do not matter). On a
 CPU with float32 views the rows of a layer attend in one call of a batched kernel
 (``ops/cpu_draft_decode.py``: one parallel region, each view read where it lies, a KIVI body
-packed). Elsewhere, or where that kernel could not be built, one SDPA call per row reads a
-tensor: a row in pool slots is gathered, a quantized body dequantized, one layer of the batch
-at a time. Those copies are the only transient tensors drafting builds outside the pool
-(``transient_bytes``). A row without a compressed state rides along in the forward, attending
-over its own chain only; its drafts are never verified.
+packed). On a GPU, where every row's view is in pool slots and none has a packed body, the
+batch is one paged decode (``ops/dropped_decode.py``, FlashInfer's, pages of one token: the
+pool's buffers as they are), planned once per draft forward and run per layer::
+
+    kv_indptr        0 | n_0 | n_0 + n_1 | ...          n_i = float_len_i + chain_i
+    kv_page_indices  row 0's slots, its chain | row 1's slots, its chain | ...
+    kv_last_page_len 1 for every row
+
+Elsewhere, or where neither could be had, one SDPA call per row reads a tensor: a row in pool
+slots is gathered, a quantized body dequantized, one layer of the batch at a time. Those copies
+are the only transient tensors drafting builds outside the pool (``transient_bytes``). A row
+without a compressed state rides along in the forward, attending over its own chain only; its
+drafts are never verified.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -35,6 +44,7 @@ from torch import Tensor
 from torch.nn.functional import scaled_dot_product_attention
 
 from sglang_vericache.ops.cpu_draft_decode import CpuDraftDecode
+from sglang_vericache.ops.dropped_decode import DroppedKVDecoder, PagedDecodeGeometry
 
 
 @dataclass(slots=True)
@@ -47,6 +57,8 @@ class DraftPlan:
     drafts: draft forwards the step runs (the chain grows to this many tokens).
     view_lens[layer][i]: T_view of row i's cache of ``layer`` (0 for a row riding along).
     kernel: the batched CPU kernel (None: one SDPA call per row and layer).
+    paged: a paged decoder over the pool (FlashInfer on a GPU), for batches whose every view is
+        in pool slots without a packed body; None: not used.
     transient_bytes: the most bytes of view + chain a forward copied at one layer, over all its
         rows (0 when every drafted row attends in place): at most one layer's view of the batch.
     """
@@ -55,8 +67,11 @@ class DraftPlan:
     states: Sequence[Any | None]
     drafts: int
     kernel: CpuDraftDecode | None = None
+    paged: DroppedKVDecoder | None = None
     view_lens: list[list[int]] = field(init=False)
     transient_bytes: int = field(default=0, init=False)
+    # (every row's float_len at a layer, every chain's length): what the paged plan was made for
+    _planned: tuple | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         if len(self.base_lens) != len(self.states):
@@ -115,6 +130,9 @@ class DraftPlan:
         base_i .. seq_len_i - 1 (this step's drafts so far, the current one included).
         Returns [B, H_q, D_v].
         """
+        if self.paged is not None and q.dtype == key_buffer.dtype and self._in_pool(layer_id):
+            self._plan_paged(layer_id, chain_slots, key_buffer, q.shape[1], scale)
+            return self.paged.run(q, key_buffer.unsqueeze(1), value_buffer.unsqueeze(1))
         rows = [self._row_kv(i, layer_id, key_buffer, value_buffer, slots)
                 for i, slots in enumerate(chain_slots)]  # fmt: skip
         bodies, keys, values, index, copied = (list(part) for part in zip(*rows))
@@ -138,3 +156,33 @@ class DraftPlan:
             out[i] = o[0, :, 0]
         self.transient_bytes = max(self.transient_bytes, sum(copied))
         return out
+
+    def _in_pool(self, layer_id: int) -> bool:
+        """Every drafted row's view of ``layer_id`` is in pool slots, none with a packed body."""
+        return all(s is None or (s.layers[layer_id].block is None
+                                 and s.layers[layer_id].draft_slots() is not None)
+                   for s in self.states)  # fmt: skip
+
+    def _plan_paged(self, layer_id: int, chain_slots: Sequence[Tensor], key_buffer: Tensor,
+                    num_q_heads: int, scale: float) -> None:  # fmt: skip
+        """Plan the paged decode of ``layer_id`` unless the last plan read the same slots: within
+        a forward every layer's chain is the same, and a draft row's slots are shared by its
+        layers, so equal lengths mean equal slots (one plan per forward, unless a pyramid
+        compressor's layers keep different counts). Row i reads its view's columns, then its
+        chain (a row riding along: its chain only)."""
+        key = (tuple(0 if s is None else s.layers[layer_id].float_len for s in self.states),
+               tuple(int(c.numel()) for c in chain_slots))  # fmt: skip
+        if key == self._planned:
+            return
+        index = [chain.to("cpu", torch.int64) if s is None else torch.cat(
+                     [s.layers[layer_id].draft_slots()[:n], chain.to("cpu", torch.int64)])
+                 for s, n, chain in zip(self.states, key[0], chain_slots)]  # fmt: skip
+        lens = [int(i.numel()) for i in index]
+        device = key_buffer.device
+        indptr = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device=device)
+        geometry = PagedDecodeGeometry(num_q_heads, key_buffer.shape[1], key_buffer.shape[2], 1,
+                                       key_buffer.dtype)  # fmt: skip
+        self.paged.plan(indptr, torch.cat(index).to(device, torch.int32),
+                        torch.ones(len(lens), dtype=torch.int32, device=device), geometry,
+                        sm_scale=scale)  # fmt: skip
+        self._planned = key

@@ -50,6 +50,7 @@ from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
 from sglang_vericache.compress import build_compressor
 from sglang_vericache.config import Placement
 from sglang_vericache.ops.cpu_draft_decode import load_cpu_draft_decode
+from sglang_vericache.ops.dropped_decode import PagedDecodeGeometry, paged_draft_decoder
 from sglang_vericache.srt.attention import QueryCapture, VeriCacheAttnBackend
 from sglang_vericache.srt.batch_inputs import (
     spec_result,
@@ -111,11 +112,15 @@ class VeriCacheWorker(DecodeSteps, BaseSpecWorker):
             self.metrics = VeriCacheExporter(server_args.served_model_name or "default")
         self.precision = self._draft_precision()
         # one batched attention call per layer of a draft forward (built here, not mid-step),
-        # only where it can serve: drafts on a CPU over float32 views (the KV dtype)
-        self.draft_kernel = None
-        if (not self.offload_only and torch.device(self.device).type == "cpu"
+        # only where it can serve: drafts on a CPU over float32 views (the KV dtype); on a GPU,
+        # FlashInfer's paged decode over the draft rows (checked against its reference here)
+        self.draft_kernel, self.paged_draft = None, None
+        device = torch.device(self.device)
+        if (not self.offload_only and device.type == "cpu"
                 and self.model_runner.kv_cache_dtype == torch.float32):  # fmt: skip
             self.draft_kernel = load_cpu_draft_decode()
+        elif not self.offload_only:
+            self.paged_draft = paged_draft_decoder(device, self._draft_geometry(server_args))
         logger.info(
             "VeriCache worker: compressor %s, verify width %d, draft weights in %s, draft "
             "attention %s",
@@ -123,8 +128,15 @@ class VeriCacheWorker(DecodeSteps, BaseSpecWorker):
             "the model's dtype" if self.precision is None else (
                 f"{self.precision.format} ({self.precision.layers} layers shadowed, "
                 f"{self.precision.nbytes / 2**20:.0f} MiB)"),
-            "batched (CPU kernel)" if self.draft_kernel is not None else "per row (SDPA)",
+            "batched (CPU kernel)" if self.draft_kernel is not None else
+            "paged (FlashInfer)" if self.paged_draft is not None else "per row (SDPA)",
         )  # fmt: skip
+
+    def _draft_geometry(self, server_args: Any) -> PagedDecodeGeometry:
+        """This rank's attention heads over the pool: pages of one token in the KV dtype."""
+        config, tp = self.model_runner.model_config, int(server_args.tp_size)
+        return PagedDecodeGeometry(config.num_attention_heads // tp, config.get_num_kv_heads(tp),
+                                   config.head_dim, 1, self.model_runner.kv_cache_dtype)
 
     def _draft_precision(self) -> DraftPrecision | None:
         """Shadow weights for draft forwards (``srt/draft_precision.py``), where
