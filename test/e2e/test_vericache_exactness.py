@@ -177,8 +177,6 @@ def test_auto_under_memory_pressure_is_exact_offloads_and_measures_both_modes(
             "sampling_params": {"temperature": 0, "max_new_tokens": 8},
         })["meta_info"]["vericache"]  # fmt: skip
         assert alone["host_kv_tokens"] == 0, alone  # room: nothing moved
-        # its compressed KV is held in pool slots beside its full KV: admission counts both
-        assert alone["reserved_slots"] > 0 and alone["compressed_kv_bytes_in_pool"] > 0, alone
 
         def one(prompt: Prompt) -> dict:
             return http_json(server.url + "/generate", {"text": prompt.text, "sampling_params": {

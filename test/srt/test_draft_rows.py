@@ -177,10 +177,10 @@ def test_the_offloader_lodges_a_state_and_gives_every_slot_back() -> None:
     assert state.nbytes_in_pool == 0
 
 
-def test_a_resident_row_holds_its_compressed_kv_and_keeps_it_when_its_full_kv_moves() -> None:
-    """Pressure placement: a drafted row whose full KV stays in the pool holds slots for its
-    compressed KV too (admission sees both); when pressure moves its full KV, the same draft
-    row stays, nothing is reserved twice; releasing it for admission gives every slot back."""
+def test_a_draft_row_outlives_its_rows_offloads_and_release_gives_every_slot_back() -> None:
+    """The ledger keeps a row's draft row apart from its host range: later offloads of the row
+    find it (nothing held twice); releasing it for admission frees every slot while the host
+    range stays, and a state still alive keeps its KV, copied out."""
     from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 
     from sglang_vericache.srt.offloader import PoolOffloader
@@ -188,24 +188,21 @@ def test_a_resident_row_holds_its_compressed_kv_and_keeps_it_when_its_full_kv_mo
     kv, alloc = _pool_and_alloc()
     rows = ReqToTokenPool(2, 512, "cpu", False)
     off = PoolOffloader(kv, rows, alloc, LAYERS)
-    rows.req_to_token[1, :T] = alloc.alloc(T).to(torch.int32)
+    rows.req_to_token[1, : T + 8] = alloc.alloc(T + 8).to(torch.int32)
     state = _state("kivi:bits=4,group=16,residual=16")
     free = alloc.available_size()
-    held = off.hold(1, state)
-    assert off.ledger.span(1) is None  # the full KV stays where it is
-    assert held == off.ledger.reserved(1) == off.slots_for(state.nbytes) > 0
-    assert alloc.available_size() == free - held
-    assert 0 < state.nbytes_in_pool < state.nbytes  # KIVI's packed codes beside the pool
-    assert off.hold(1, state) == 0  # held already: a size check
-    draft_row, want = off.ledger.draft_rows[1], _views(state)
     result = off.offload(1, owned_from=0, committed=T, state=state)
-    assert result.moved == T and result.reserved == 0
+    held = off.ledger.reserved(1)
+    assert result.reserved == held == off.slots_for(state.nbytes) > 0
+    assert 0 < state.nbytes_in_pool < state.nbytes  # KIVI's packed codes beside the pool
+    draft_row, want = off.ledger.draft_rows[1], _views(state)
+    assert off.offload(1, owned_from=0, committed=T + 8, state=state).reserved == 0
     assert off.ledger.draft_rows[1] is draft_row and draft_row.tenant is state
-    assert alloc.available_size() == free + T - held
-    _assert_same(want, _views(state))
-    draft_row.check_integrity()
+    assert alloc.available_size() == free + T + 8 - held
+    off.ledger.check_integrity(rows.req_to_token)
     assert off.release_reserved(1) == held  # dropped for admission: every slot back
-    assert alloc.available_size() == free + T and off.ledger.reserved(1) == 0
+    assert alloc.available_size() == free + T + 8 and off.ledger.reserved(1) == 0
+    assert off.ledger.span(1).host.length == T + 8  # the full KV stays offloaded
     _assert_same(want, _views(state))  # a live state keeps its KV, copied out
     off.drop(1)
     assert not off.ledger.draft_rows and not off.ledger.rows
@@ -222,4 +219,4 @@ def test_a_plain_row_holds_nothing() -> None:
     off = PoolOffloader(kv, rows, alloc, LAYERS)
     rows.req_to_token[0, :T] = alloc.alloc(T).to(torch.int32)
     assert off.offload(0, owned_from=0, committed=T).reserved == 0
-    assert off.hold(0) == 0 and not off.ledger.draft_rows
+    assert not off.ledger.draft_rows

@@ -20,15 +20,6 @@ def test_future_tokens_follow_the_compressed_fraction() -> None:
     assert vericache_future_tokens(180.0, 2048, 2048, 9) == 180.0
 
 
-def test_a_resident_drafted_request_takes_its_full_and_compressed_future() -> None:
-    """Full KV still in the pool (pressure placement): SGLang's estimate for it, plus the
-    compressed KV of those tokens at the request's own fraction."""
-    from sglang_vericache.srt.admission import resident_future_tokens
-
-    assert resident_future_tokens(180.0, reserved=512, context=2048) == 180.0 + 45
-    assert resident_future_tokens(0.0, reserved=512, context=2048) == 0.0  # nothing to come
-
-
 def test_queued_asks_follow_the_request_that_lacked_room_in_queue_order() -> None:
     """Behind the request admission could not add, every request waiting for memory asks its
     uncached prompt plus its clipped output; requests waiting for a tier and those ahead of it

@@ -9,10 +9,8 @@ request VeriCache drafts keeps far less: its committed tokens move to host memor
     <= TAIL_CHUNK + verify width + ceil(future * reserved / offloaded)
 
 (``reserved / offloaded`` is the request's own measured compressed fraction). This hook makes
-admission reserve exactly that for such requests; it is what lets a 4x compressor serve several
-times more long requests in the same budget. A drafted request whose full KV is still in the
-pool (pressure placement) takes SGLang's estimate for it plus its compressed KV of the future
-tokens (``reserved / context``); everything else, SGLang's estimate. The
+admission reserve exactly that for such requests, and SGLang's estimate for everything else; it
+is what lets a 4x compressor serve several times more long requests in the same budget. The
 same method sizes decode retraction, which therefore also sees the smaller footprint.
 
 SGLang's admission loop stops at the first request it cannot add. A request whose prefix is
@@ -66,12 +64,6 @@ def vericache_future_tokens(sglang_estimate: float, reserved: int, offloaded: in
     return min(sglang_estimate, TAIL_CHUNK + verify_width + compressed)
 
 
-def resident_future_tokens(sglang_estimate: float, reserved: int, context: int) -> float:
-    """Pool slots a drafted request whose full KV is still in the pool may still take: SGLang's
-    estimate for the full KV, plus the compressed KV of those tokens (see module doc)."""
-    return sglang_estimate + math.ceil(sglang_estimate * reserved / max(context, 1))
-
-
 def _running_offset_around(original: Callable[..., Any], adder: Any, req: Any) -> Any:
     estimate = original(adder, req)
     offloader = getattr(adder.tree_cache, "offloader", None)
@@ -79,11 +71,10 @@ def _running_offset_around(original: Callable[..., Any], adder: Any, req: Any) -
     if offloader is None or kv is None or kv.req_pool_idx is None:
         return estimate
     ledger = offloader.ledger
-    span, reserved = ledger.span(kv.req_pool_idx), ledger.reserved(kv.req_pool_idx)
-    if span is None:  # its full KV in the pool, like any request's, and its compressed KV too
-        context = len(req.origin_input_ids) + len(req.output_ids)
-        return resident_future_tokens(estimate, reserved, context) if reserved else estimate
-    return vericache_future_tokens(estimate, reserved, span.host.length,
+    span = ledger.span(kv.req_pool_idx)
+    if span is None:
+        return estimate  # not offloaded (yet): it holds its full KV like any request
+    return vericache_future_tokens(estimate, ledger.reserved(kv.req_pool_idx), span.host.length,
                                    adder.tree_cache.verify_width)  # fmt: skip
 
 

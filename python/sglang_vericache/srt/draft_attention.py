@@ -9,8 +9,9 @@ chain's slots, so neither is copied::
     row i, layer l   | packed body (KIVI codes, scales) | draft row slots ....... | chain slots |
                        read as stored, if any            s_0 .. s_(n_float - 1)    from req_to_token
 
-A cache in a buffer of its own (the pool had no slot for it, or no worker lodged it) has free
-room after its columns; the forward writes the chain's KV there and reads the buffer's head::
+A cache in a buffer of its own (its request's full KV is still in the pool, or the pool had no
+slot for it) has free room after its columns; the forward writes the chain's KV there and reads
+the buffer's head::
 
     buffer of row i, layer l   | columns (body | window) | chain (scratch) | free |
                                0                  float_len    + n_chain

@@ -1,13 +1,12 @@
 """Compressed KV in the device pool: each drafted request's draft row.
 
-Every drafted request holds pool slots for its compressed KV, as many as its bytes fill
-(``PoolOffloader.hold``), whether its full KV is still in the pool or has moved to the host:
-the allocator counts them, so admission sees what VeriCache holds. Those slots are its draft
-row: column j of every layer's full-precision view (a dropper's kept tokens, a quantizer's
-residual, then the recent window) lives in slot ``slots[j]`` of that layer's pool buffers, as
-a request's token j lives in slot ``req_to_token[r, j]``. Per-head selections are already
-compacted (every head keeps the same count, keys post-RoPE), so one slot holds column j of all
-heads::
+When a drafted request's full KV leaves the pool (``srt/offload.py``), it holds pool slots for
+its compressed KV, as many as its bytes fill: the allocator counts them, so admission sees what
+VeriCache holds. Those slots are its draft row: column j of every layer's full-precision view
+(a dropper's kept tokens, a quantizer's residual, then the recent window) lives in slot
+``slots[j]`` of that layer's pool buffers, as a request's token j lives in slot
+``req_to_token[r, j]``. Per-head selections are already compacted (every head keeps the same
+count, keys post-RoPE), so one slot holds column j of all heads::
 
     draft row           s_0   s_1   s_2  ...  s_(n-1) | s_n ... s_(cap-1)
     layer l, K and V    col 0 col 1 col 2     col n-1 | free (appends, folds)
@@ -15,6 +14,12 @@ heads::
 A draft forward reads a row by its slots, its chain by the chain's own slots
 (``srt/draft_attention.py``), in place. A quantized body's packed block stays a tensor of its own,
 counted in the same slots by its bytes.
+
+Only then: a row's slots come out of what its offload frees, so taking them never eats into
+what SGLang has promised (the rest of a chunked prompt, the running requests' next tokens). A
+request whose full KV stays resident (pressure placement) keeps its compressed KV beside the
+pool, uncounted, until pressure moves it: slots taken for it would be slots SGLang's admission
+never reserved (a drafted request was seen to run a chunked prefill out of memory that way).
 
 Lifetime: the ledger holds each row's draft row (``OffloadLedger.draft_rows``); the row owns
 its slots. A request's ``RequestDraftState`` lodges in them (``lodge``) when the offloader holds

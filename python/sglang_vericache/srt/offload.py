@@ -10,8 +10,7 @@ placeholder there. What stays in the device pool per request::
                    shared prefix | full KV -> host    | (< TAIL_CHUNK) | draft/verify slots
     plus           its draft row: slots holding its compressed KV's full-precision columns
                    (``srt/draft_rows.py``), at least ceil(compressed bytes / slot bytes), so
-                   admission sees what VeriCache holds (a drafted row whose full KV is still
-                   resident holds one too)
+                   admission sees what VeriCache holds
 
 Attention reads [lo, hi) from the host buffer (``OffloadLedger.read``): for verification and for
 a plain decode step, never for drafting (drafts read the compressed view). Freed slots go back
@@ -145,7 +144,8 @@ class PrefixTreeHooks(Protocol):
 
 class OffloadLedger:
     """Which pool rows have offloaded ranges (``rows``), and which hold pool slots for their
-    compressed KV (``draft_rows``: resident and offloaded rows alike, ``srt/draft_rows.py``).
+    compressed KV (``draft_rows``, ``srt/draft_rows.py``): two tables, as a draft row may go
+    (released for admission) while its row's host range stays.
 
     Mutated by the offloader (``PoolOffloader``: for the worker, and for the prefix cache when
     SGLang releases a row) on the scheduler thread only; readers (the attention backend) use

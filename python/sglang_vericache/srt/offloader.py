@@ -1,10 +1,9 @@
 """Moves committed full KV between SGLang's pool and the host ledger (layout: ``offload.py``),
-and holds each drafted row's compressed KV in pool slots (``hold``, ``srt/draft_rows.py``).
+and holds an offloaded drafted row's compressed KV in pool slots (``srt/draft_rows.py``).
 
-The worker calls ``offload`` after a request's prefill and after each commit (``hold`` for a
-drafted row whose full KV stays resident); the ``vericache`` prefix cache calls ``restore`` /
-``drop`` when SGLang releases the request's row. All slot arithmetic is page-aligned, so paged
-allocators free whole pages::
+The worker calls ``offload`` after a request's prefill and after each commit; the ``vericache``
+prefix cache calls ``restore`` / ``drop`` when SGLang releases the request's row. All slot
+arithmetic is page-aligned, so paged allocators free whole pages::
 
     page_size = 4, tree-owned prefix 6, committed 23:
     positions   0   4   8  12  16  20  23
@@ -108,7 +107,7 @@ class PoolOffloader:
 
         owned_from: first position the request owns (tree-owned positions before it stay);
         lo continues the row's host range. Moves nothing unless at least ``min_tokens``
-        (default ``tail_tokens``) are due. Then ``hold``s the row's compressed KV
+        (default ``tail_tokens``) are due. Then holds the row's compressed KV
         (``state``, or ``compressed_bytes`` of it where there is no state).
 
         req: the row's request, where the prefix tree takes part (``PrefixTreeHooks.adopt``):
@@ -135,9 +134,9 @@ class PoolOffloader:
         own = slots if tree is None else tree.adopt(req, slots, owned_from)
         self.allocator.free(own)
         self.ledger.freed_slots += hi - lo
-        return OffloadResult(moved=hi - lo, reserved=self.hold(row, state, compressed_bytes))
+        return OffloadResult(moved=hi - lo, reserved=self._hold(row, state, compressed_bytes))
 
-    def hold(self, row: int, state: Any = None, compressed_bytes: int = 0) -> int:
+    def _hold(self, row: int, state: Any = None, compressed_bytes: int = 0) -> int:
         """Hold pool slots for ``row``'s compressed KV, at least ``ceil(bytes / slot_bytes)``
         (whole pages), in its draft row (``srt/draft_rows.py``), and lodge ``state`` there.
 
