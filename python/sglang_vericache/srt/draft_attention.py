@@ -133,7 +133,8 @@ class DraftPlan:
         """
         if self.paged is not None and q.dtype == key_buffer.dtype and self._in_pool(layer_id):
             self._plan_paged(layer_id, chain_slots, key_buffer, q.shape[1], scale)
-            return self.paged.run(q, key_buffer.unsqueeze(1), value_buffer.unsqueeze(1))
+            pages = (key_buffer.unsqueeze(1), value_buffer.unsqueeze(1))  # [slots, 1, H_kv, D]
+            return self.paged.run(q.contiguous(), *pages)
         rows = [self._row_kv(i, layer_id, key_buffer, value_buffer, slots)
                 for i, slots in enumerate(chain_slots)]  # fmt: skip
         bodies, keys, values, index, copied = (list(part) for part in zip(*rows))
