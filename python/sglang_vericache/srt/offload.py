@@ -251,8 +251,9 @@ class OffloadLedger:
         return keys, values
 
     def check_integrity(self, table: Tensor | None = None) -> None:
-        """Ranges are non-empty; with ``table``, offloaded entries hold the placeholder; no slot
-        is in two draft rows."""
+        """Ranges are non-empty; with ``table``, offloaded entries hold the placeholder; a draft
+        row only beside its row's host range, and no slot in two draft rows."""
+        assert self.draft_rows.keys() <= self.rows.keys(), "a draft row without a host range"
         for draft_row in self.draft_rows.values():
             draft_row.check_integrity()
         held = [d.slots for d in self.draft_rows.values()]

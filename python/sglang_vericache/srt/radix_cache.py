@@ -311,8 +311,7 @@ class VeriCacheRadixCache(RadixCache):
             self.tier_metrics.observe(self.remote, demoted)
 
     def reset(self) -> None:
-        ledger = self.offloader.ledger
-        for row in set(ledger.rows) | set(ledger.draft_rows):
+        for row in list(self.offloader.ledger.rows):  # a draft row only beside a host range
             self.offloader.drop(row)
         if self.ahead is not None:
             self.ahead.store.clear()  # the flush clears the allocator next, its slots too
