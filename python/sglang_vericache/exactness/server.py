@@ -30,7 +30,8 @@ class PortTakenError(ServerStartError):
 
 
 # uvicorn's message when its bind fails; the server then hangs in shutdown instead of exiting
-_BIND_FAILED = b"error while attempting to bind on address"
+# (so the message stays at the log's end)
+_BIND_FAILED = "error while attempting to bind on address"
 
 
 # Under Linux's default ephemeral range (32768-60999), and apart from the range SGLang picks its
@@ -138,12 +139,6 @@ class SGLangServer:
     def log_tail(self, n_bytes: int = 4000) -> str:
         return log_tail(self.log_path, n_bytes)
 
-    def _log_bytes(self) -> bytes:
-        try:
-            return self.log_path.read_bytes()
-        except OSError:
-            return b""
-
     def _wait_healthy(self) -> None:
         assert self.proc is not None
         deadline = time.monotonic() + self.startup_timeout
@@ -153,7 +148,7 @@ class SGLangServer:
                     f"server exited with status {self.proc.returncode} during start-up "
                     f"(args: {' '.join(self.args)}); log tail:\n{self.log_tail()}"
                 )
-            if _BIND_FAILED in self._log_bytes():
+            if _BIND_FAILED in self.log_tail():
                 self.stop()
                 raise PortTakenError(f"port {self.port} was taken before the server bound it")
             try:
