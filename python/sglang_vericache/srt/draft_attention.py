@@ -1,10 +1,10 @@
 """Draft attention over compressed views, in place: planned once per step, run per layer.
 
 A compressed cache keeps its full-precision columns (a dropper's kept tokens, a quantizer's
-residual, then the recent window) in a ``ViewStore``: normally the request's draft row, pool
-slots the allocator counts (``srt/draft_rows.py``). A draft forward reads such a row by slot,
-its chain (this step's drafts, whose KV the forward wrote to their own pool slots) by the
-chain's slots, so neither is copied::
+residual, then the recent window) in a ``ViewStore``: once its request's full KV has left the
+pool, the request's draft row, pool slots the allocator counts (``srt/draft_rows.py``). A draft
+forward reads such a row by slot, its chain (this step's drafts, whose KV the forward wrote to
+their own pool slots) by the chain's slots, so neither is copied::
 
     row i, layer l   | packed body (KIVI codes, scales) | draft row slots ....... | chain slots |
                        read as stored, if any            s_0 .. s_(n_float - 1)    from req_to_token
@@ -176,9 +176,9 @@ class DraftPlan:
                tuple(int(c.numel()) for c in chain_slots))  # fmt: skip
         if key == self._planned:
             return
-        index = [chain.to("cpu", torch.int64) if s is None else torch.cat(
-                     [s.layers[layer_id].draft_slots()[:n], chain.to("cpu", torch.int64)])
-                 for s, n, chain in zip(self.states, key[0], chain_slots)]  # fmt: skip
+        chains = [chain.to("cpu", torch.int64) for chain in chain_slots]
+        index = [chain if s is None else torch.cat([s.layers[layer_id].draft_slots()[:n], chain])
+                 for s, n, chain in zip(self.states, key[0], chains)]  # fmt: skip
         lens = [int(i.numel()) for i in index]
         device = key_buffer.device
         indptr = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device=device)
