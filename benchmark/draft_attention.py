@@ -5,6 +5,9 @@ tokens (SmolLM2's 3 KV heads x 64 channels, 9 query heads) and 40 full-precision
 (the residual, window and chain), attended by one query per row:
 
     packed        the CPU kernel reads the body's codes and scales (``ops/cpu_draft_decode.py``)
+    pool pages    the same, the body written to pages of a KV pool's slots, shuffled as an
+                  allocator hands them out after churn (``compress/kivi_pages.py``: where a
+                  draft row keeps it)
     dequantized   the body dequantized and concatenated, then the same kernel (the path before
                   packed reads, and still the path of other quantizers)
     float32       the kernel over a float32 view of the same length (what a dropper's view of T
@@ -34,6 +37,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "python"))
 
 from sglang_vericache.compress.kivi import Kivi  # noqa: E402
+from sglang_vericache.compress.kivi_pages import KiviPageLayout, PagedKiviBlock  # noqa: E402
 from sglang_vericache.ops.cpu_draft_decode import load_cpu_draft_decode  # noqa: E402
 
 H_Q, H_KV, D, TAIL = 9, 3, 64, 40
@@ -64,15 +68,28 @@ def measure(kernel, batch: int, tokens: int, bits: int, repeats: int) -> dict:
         return kernel(q, [k for k, _ in views], [v for _, v in views], 0.125)
 
     floats = [(torch.cat([k, t], dim=1), torch.cat([v, t], dim=1)) for (k, v), t in zip(full, tail)]
+    paged = in_pool_pages(bodies, g)
     ms = {
         "packed": best_ms(lambda: kernel(q, tail, tail, 0.125, bodies), repeats),
+        "pool_pages": best_ms(lambda: kernel(q, tail, tail, 0.125, paged), repeats),
         "dequantized": best_ms(dequantized, repeats),
         "float32": best_ms(lambda: kernel(q, [k for k, _ in floats], [v for _, v in floats],
                                           0.125), repeats),  # fmt: skip
     }
     return {"batch": batch, "tokens": tokens, "bits": bits, "threads": torch.get_num_threads(),
             "ms_per_layer": {k: round(v, 3) for k, v in ms.items()},
-            "dequantized_over_packed": round(ms["dequantized"] / ms["packed"], 2)}
+            "dequantized_over_packed": round(ms["dequantized"] / ms["packed"], 2),
+            "pages_over_packed": round(ms["pool_pages"] / ms["packed"], 2)}
+
+
+def in_pool_pages(bodies: list, g: torch.Generator) -> list[PagedKiviBlock]:
+    """Each body written to pages of one pool (slots shuffled; slot 0 left as SGLang's pad)."""
+    need = [KiviPageLayout.of(b).pages_for(b.num_tokens) for b in bodies]
+    key_buffer, value_buffer = torch.zeros(2, sum(need) + 1, H_KV, D)
+    slots = torch.randperm(sum(need), generator=g) + 1
+    starts = [sum(need[:i]) for i in range(len(need))]
+    return [PagedKiviBlock.write(b, key_buffer, value_buffer, slots[s : s + n])
+            for b, s, n in zip(bodies, starts, need)]  # fmt: skip
 
 
 def write(rows: list[dict], out: Path) -> None:
@@ -81,12 +98,14 @@ def write(rows: list[dict], out: Path) -> None:
     lines = ["# Draft attention over KIVI views: packed reads against dequantizing first", "",
              f"`python benchmark/draft_attention.py`, {rows[0]['threads']} threads; ms per layer "
              "(one call per layer of a draft forward), best of the repeats.", "",
-             "| rows | tokens per row | bits | packed | dequantized | float32 view | "
-             "dequantized / packed |", "|---|---|---|---|---|---|---|"]  # fmt: skip
+             "| rows | tokens per row | bits | packed | in pool pages | dequantized | float32 view | "
+             "dequantized / packed | pages / packed |",
+             "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in rows:
         ms = r["ms_per_layer"]
         lines.append(f"| {r['batch']} | {r['tokens']} | {r['bits']} | {ms['packed']} | "
-                     f"{ms['dequantized']} | {ms['float32']} | {r['dequantized_over_packed']}x |")
+                     f"{ms['pool_pages']} | {ms['dequantized']} | {ms['float32']} | "
+                     f"{r['dequantized_over_packed']}x | {r['pages_over_packed']}x |")
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
 
 

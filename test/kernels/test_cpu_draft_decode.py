@@ -220,3 +220,51 @@ def test_accepts_only_contiguous_int64_cpu_indices(kernel) -> None:
     assert not kernel.accepts(q, keys, values, index=[good, good[::2]])  # strided
     assert not kernel.accepts(q, keys, values, index=[good, good[None]])  # 2-D
     assert not kernel.accepts(q, keys, values, index=[good])  # one entry per row
+
+
+def _paged(bodies, h_kv: int, d: int, seed: int):
+    """Each body written to pages of one shared pool, at shuffled slots (as an allocator hands
+    them out after churn); the pool's other slots hold noise."""
+    from sglang_vericache.compress.kivi_pages import KiviPageLayout, PagedKiviBlock
+
+    g = torch.Generator().manual_seed(seed)
+    need = [0 if b is None else KiviPageLayout.of(b).pages_for(b.num_tokens) for b in bodies]
+    k_buf, v_buf = torch.randn(2, sum(need) + 9, h_kv, d, generator=g)
+    free = torch.randperm(sum(need) + 8, generator=g) + 1
+    paged, at = [], 0
+    for body, n in zip(bodies, need):
+        paged.append(None if body is None else PagedKiviBlock.write(body, k_buf, v_buf,
+                                                                    free[at : at + n]))  # fmt: skip
+        at += n
+    return paged
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("h_q, h_kv, d, tail", [(9, 3, 64, 40), (8, 2, 16, 3)])
+def test_a_body_in_pool_pages_attends_exactly_as_its_tensors(kernel, bits: int, h_q: int,
+                                                            h_kv: int, d: int, tail: int) -> None:  # fmt: skip
+    """Read where it lies in pool pages, a body gives bit for bit what its tensors give (the
+    same arithmetic in the same order), next to rows of tensors and of no body."""
+    bodies, keys, values, _ = _packed_rows(bits, [1024, 0, 32, 96], tail, h_kv, d, bits * d)
+    paged = _paged(bodies, h_kv, d, bits)
+    assert all(kernel.accepts_body(b) for b in paged if b is not None)
+    q = torch.randn(len(bodies), h_q, d, generator=torch.Generator().manual_seed(d))
+    want = kernel(q, keys, values, 0.125, bodies)
+    assert torch.equal(kernel(q, keys, values, 0.125, paged), want)
+    mixed = [paged[0], None, bodies[2], paged[3]]
+    assert kernel.accepts(q, keys, values, mixed)
+    assert torch.equal(kernel(q, keys, values, 0.125, mixed), want)
+
+
+def test_pages_are_checked_before_any_read(kernel) -> None:
+    from dataclasses import replace
+
+    bodies, keys, values, _ = _packed_rows(4, [64], 2, 2, 16, 3)
+    (paged,) = _paged(bodies, 2, 16, 4)
+    q = torch.randn(1, 4, 16)
+    outside = replace(paged, pages=paged.pages + paged.key_buffer.shape[0])
+    with pytest.raises(RuntimeError, match="pages must lie in"):
+        kernel(q, keys, values, 0.125, [outside])
+    torn = replace(paged, pages=paged.pages[:-1])  # not a whole number of groups
+    with pytest.raises(RuntimeError, match="whole number of groups"):
+        kernel(q, keys, values, 0.125, [torn])

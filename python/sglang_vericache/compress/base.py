@@ -76,6 +76,16 @@ class QuantizedBlock(ABC):
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.stored_tensors())
 
+    @property
+    def in_pool(self) -> bool:
+        """Whether the bytes are a KV pool's slots (``compress/kivi_pages.PagedKiviBlock``)."""
+        return False
+
+    def detached(self) -> QuantizedBlock:
+        """This block in tensors of its own: itself, unless its bytes live in memory someone
+        else owns (a pool's slots, ``compress/kivi_pages.PagedKiviBlock``), then a copy."""
+        return self
+
 
 @dataclass(frozen=True, slots=True)
 class CompressedKV:

@@ -39,8 +39,9 @@ class CompressedLayerCache:
                         0              n_res   n_float  capacity
 
     The store is a buffer of its own (``TensorViewStore``: a draft attends over it in place) or
-    slots of the device pool (``move_to``; ``srt/draft_rows.py``), where the allocator counts it.
-    A fold rewrites the columns in place.
+    slots of the device pool (``move_to``; ``srt/draft_rows.py``), where the allocator counts it;
+    the store keeps the block too (``ViewStore.hold_block``: a pool writes a KIVI block to pages
+    of slots). A fold rewrites the columns and the block in place.
     """
 
     def __init__(self, compressor: Compressor, layer_id: int, compressed: CompressedKV, *,
@@ -75,7 +76,7 @@ class CompressedLayerCache:
     def _set_body(self, body: CompressedKV, window_k: Tensor, window_v: Tensor) -> None:
         """Make ``body`` the compressed body, followed by the window ``window_k``/``window_v``
         ([H_kv, w, D], ``_positions`` already its w positions), written to the store."""
-        self._block, self._kept = body.block, body.kept_positions
+        self._block, self._kept = self._store.hold_block(body.block), body.kept_positions
         self._body_tokens, n_res = body.num_tokens, body.residual_keys.shape[1]
         window = (window_k.clone(), window_v.clone())  # may be columns the body overwrites
         self._n_res = 0  # the store's columns are stale until both writes land
@@ -112,6 +113,7 @@ class CompressedLayerCache:
         if not store.ensure(n + GROW_MIN, 0):
             raise ValueError(f"move_to: the store cannot hold {n} columns")
         self._store = copy_store(self._store, store, n)
+        self._block = store.hold_block(self._block)  # read out of the old store first
 
     @property
     def compressed(self) -> CompressedKV:
@@ -142,12 +144,19 @@ class CompressedLayerCache:
         block = 0 if self._block is None else self._block.nbytes
         return block + index + self._store.column_bytes * self.float_len
 
+    @property
+    def nbytes_in_pool(self) -> int:
+        """Of ``nbytes``, those in pool slots (a draft row's columns and pages)."""
+        lodged = self._store.slots() is not None
+        block = self._block.nbytes if self._block is not None and self._block.in_pool else 0
+        return (self._store.column_bytes * self.float_len if lodged else 0) + block
+
     def clone(self, drop_last: int = 0) -> "CompressedLayerCache":
         """An independent copy without the window's newest ``drop_last`` tokens (a stored
         prefix's past-the-end positions, ``tier/demoted.DemotedPrefix``), in a buffer of its own.
 
-        The block is immutable and shared. Raises ValueError unless 0 <= drop_last <=
-        num_pending.
+        A block in tensors is immutable and shared; one in pool pages is copied out. Raises
+        ValueError unless 0 <= drop_last <= num_pending.
         """
         if not 0 <= drop_last <= self.num_pending:
             raise ValueError(f"clone: drop_last {drop_last} outside [0, {self.num_pending}]")
@@ -155,6 +164,7 @@ class CompressedLayerCache:
         twin._positions = self._positions[: self.num_pending - drop_last]
         n = twin.float_len
         twin._store = copy_store(self._store, self._private(n + GROW_MIN), n)
+        twin._block = twin._store.hold_block(self._block)
         return twin
 
     def draft_buffer(self, room: int) -> tuple[Tensor, Tensor] | None:

@@ -10,6 +10,8 @@ then the recent window) are columns of a store, followed by free room::
 in place (``dense``), no copies. A pool store (``srt/draft_rows.PoolViewStore``) holds column j of
 layer l in slot ``row[j]`` of layer l's pool buffers, so the compressed KV lives in memory the
 allocator counts; it is read by slot (``slots``), as paged attention reads a request's KV.
+A store keeps the layer's quantized body too (``hold_block``): a buffer store as tensors, a pool
+store in pages of the same row's slots (``compress/kivi_pages.py``).
 
 A store is written and grown by one owner (its layer cache, on the scheduler thread).
 """
@@ -20,6 +22,8 @@ from abc import ABC, abstractmethod
 
 import torch
 from torch import Tensor
+
+from sglang_vericache.compress.base import QuantizedBlock
 
 
 class ViewStore(ABC):
@@ -53,6 +57,12 @@ class ViewStore(ABC):
     def slots(self) -> Tensor | None:
         """[capacity] int64 pool slots of the columns where they live in a pool, else None."""
         return None
+
+    def hold_block(self, block: QuantizedBlock | None) -> QuantizedBlock | None:
+        """The layer's quantized body as this store keeps it: in tensors of its own here (a
+        block read out of someone else's memory, ``detached``); a pool store writes it to its
+        pages."""
+        return None if block is None else block.detached()
 
     @property
     @abstractmethod

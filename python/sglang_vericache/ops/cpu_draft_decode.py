@@ -6,7 +6,8 @@ OpenMP region over only H_kv x 1 work items; between two calls the threads go to
 (``GOMP_SPINCOUNT=1000``, ``srt/platform.py``) and must be woken. ``csrc/draft_decode.cpp`` runs
 every (row, KV head) pair of a layer in one region, reading each view where it lies::
 
-    bodies[b]            a KIVI-packed body (``compress/kivi.KiviBlock``), or None
+    bodies[b]            a KIVI-packed body (``compress/kivi.KiviBlock``, or one in pool pages:
+                         ``compress/kivi_pages.PagedKiviBlock``, read there), or None
     keys[b], values[b]   [H_kv, T_b, D] float32, strides [*, *, 1]  (a view of a wider buffer)
     index[b]             None, or [T_b'] int64: the columns of keys[b], values[b] read, in order
     q, out               [B, H_q, D] float32, contiguous
@@ -40,6 +41,7 @@ Where it cannot be built (no compiler) drafting keeps the SDPA loop and says so 
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import time
 from dataclasses import dataclass
@@ -50,10 +52,12 @@ import torch
 from torch import Tensor
 
 from sglang_vericache.compress.kivi import KiviBlock
+from sglang_vericache.compress.kivi_pages import PagedKiviBlock
 
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "draft_decode.cpp"
+HEADERS = (Path(__file__).parent / "csrc" / "packed_body.h",)  # included by SOURCE
 # -fopenmp: ATen's parallel_for is an OpenMP region inlined from its headers (the symbols
 # resolve to the libgomp torch loaded). No -ffast-math: the softmax starts from -inf.
 CFLAGS = ("-O3", "-march=native", "-fopenmp")
@@ -95,13 +99,18 @@ class CpuDraftDecode:
     @staticmethod
     def accepts_body(body: Any) -> bool:
         """Whether ``__call__`` reads ``body`` packed: a float32 KIVI block of 2, 4 or 8 bits on
-        the CPU (other quantized formats are dequantized by the caller)."""
+        the CPU, in tensors or in pool pages (other quantized formats are dequantized by the
+        caller)."""
+        if isinstance(body, PagedKiviBlock):
+            buffers = (body.key_buffer, body.value_buffer)
+            return body.bits in PACKED_BITS and all(
+                b.dtype == torch.float32 and b.device.type == "cpu" for b in buffers)
         return (isinstance(body, KiviBlock) and body.bits in PACKED_BITS
                 and body.key_scale.dtype == torch.float32
                 and body.packed_keys.device.type == "cpu")  # fmt: skip
 
     def __call__(self, q: Tensor, keys: Sequence[Tensor], values: Sequence[Tensor], scale: float,
-                 bodies: Sequence[KiviBlock | None] | None = None,
+                 bodies: Sequence[KiviBlock | PagedKiviBlock | None] | None = None,
                  index: Sequence[Tensor | None] | None = None) -> Tensor:  # fmt: skip
         """softmax(q_b K_b^T * scale) V_b for every row b, grouped-query heads (H_q a multiple
         of H_kv). q: [B, H_q, D]; keys[b], values[b]: [H_kv, T_b, D] (any token stride), after
@@ -116,11 +125,30 @@ class CpuDraftDecode:
         bits, group = (packed[0].bits, packed[0].group) if packed else (0, 0)
         if any((b.bits, b.group) != (bits, group) for b in packed):
             raise ValueError("CpuDraftDecode: packed bodies of one call share bits and group")
-        parts = [[] if b is None else list(b.stored_tensors()) for b in bodies]
+        parts = [_body_parts(b) for b in bodies]
         slots = [] if index is None else list(index)  # [] : every row dense
         self.module.draft_decode(q, list(keys), list(values), parts, slots, bits, group, out,
                                  float(scale))  # fmt: skip
         return out
+
+
+def _source_digest() -> str:
+    """8 hex digits of the kernel's source and headers (torch rebuilds on a changed source, not
+    on a changed header alone)."""
+    digest = hashlib.sha256()
+    for path in (SOURCE, *HEADERS):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:8]
+
+
+def _body_parts(body: KiviBlock | PagedKiviBlock | None) -> list[Tensor]:
+    """What the kernel takes for a body: nothing, its six tensors, or (pool key buffer, value
+    buffer, pages) for one in pool pages."""
+    if body is None:
+        return []
+    if isinstance(body, PagedKiviBlock):
+        return [body.key_buffer, body.value_buffer, body.pages]
+    return list(body.stored_tensors())
 
 
 @functools.cache
@@ -132,8 +160,9 @@ def load_cpu_draft_decode() -> CpuDraftDecode | None:
     started = time.perf_counter()
     logger.info("building the CPU draft-attention kernel for %s (about 30 s the first time, "
                 "cached after)", capability)  # fmt: skip
-    try:  # _v2: the index argument; a stale build of the old signature is never loaded
-        module = load(name=f"vericache_draft_decode_{capability}_v2", sources=[str(SOURCE)],
+    try:  # the name carries the sources' digest: a stale build is never loaded
+        module = load(name=f"vericache_draft_decode_{capability}_{_source_digest()}",
+                      sources=[str(SOURCE)],
                       extra_cflags=list(CFLAGS), verbose=False)  # fmt: skip
     except Exception as exc:  # no compiler, no ninja, a read-only cache: the SDPA loop serves
         logger.warning("CPU draft-attention kernel unavailable (%s: %s); drafts attend with "

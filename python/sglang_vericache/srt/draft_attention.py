@@ -7,7 +7,7 @@ forward reads such a row by slot, its chain (this step's drafts, whose KV the fo
 their own pool slots) by the chain's slots, so neither is copied::
 
     row i, layer l   | packed body (KIVI codes, scales) | draft row slots ....... | chain slots |
-                       read as stored, if any            s_0 .. s_(n_float - 1)    from req_to_token
+                       the row's pages, if any           s_0 .. s_(n_float - 1)    from req_to_token
 
 A cache in a buffer of its own (its request's full KV is still in the pool, or the pool had no
 slot for it) has free room after its columns; the forward writes the chain's KV there and reads

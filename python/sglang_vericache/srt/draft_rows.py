@@ -12,8 +12,12 @@ count, keys post-RoPE), so one slot holds column j of all heads::
     layer l, K and V    col 0 col 1 col 2     col n-1 | free (appends, folds)
 
 A draft forward reads a row by its slots, its chain by the chain's own slots
-(``srt/draft_attention.py``), in place. A quantized body's packed block stays a tensor of its own,
-counted in the same slots by its bytes.
+(``srt/draft_attention.py``), in place. A KIVI body's packed codes and scales are pages of the
+same row (``pages``, one page of slots per key group, ``compress/kivi_pages.py``): layer l's
+body in layer l's buffers at the row's first pages, read packed where they lie::
+
+    draft row pages     p_0 .. p_5 | p_6 .. p_11 | ...      (6 slots a group: int4, G 32, fp32)
+    layer l             group 0    | group 1     | ...
 
 Only then: a row's slots come out of what its offload frees, so taking them never eats into
 what SGLang has promised (the rest of a chunked prompt, the running requests' next tokens). A
@@ -39,6 +43,8 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
+from sglang_vericache.compress.base import QuantizedBlock
+from sglang_vericache.compress.kivi_pages import KiviPageLayout, PagedKiviBlock
 from sglang_vericache.compress.view_store import ViewStore
 from sglang_vericache.srt.offload import read_pool_kv
 
@@ -49,14 +55,25 @@ class DraftRow:
     """Pool slots held for one request's compressed KV, as columns of its compressed views.
 
     take: n -> [m >= n] int64 fresh pool slots (whole pages), or None where the pool has none.
-    ``slots`` [capacity] int64: column j of every layer lives in slot ``slots[j]``; they grow
-    (``grow_to``) and go back (``release``), never move.
+    ``slots`` [capacity] int64: column j of every layer lives in slot ``slots[j]``; ``pages``
+    [n] int64: a packed body's pages. Both grow (``grow_to``, ``grow_pages_to``) and go back
+    together (``release``), never move.
     """
 
     def __init__(self, pool: Any, take: Callable[[int], Tensor | None]) -> None:
         self.pool, self._take = pool, take
         self.slots = torch.empty(0, dtype=torch.int64)
+        self.pages = torch.empty(0, dtype=torch.int64)
         self._tenant: weakref.ref | None = None
+
+    @property
+    def held(self) -> Tensor:
+        """[n] int64: every slot the row holds (columns, then pages)."""
+        return torch.cat([self.slots, self.pages])
+
+    @property
+    def num_held(self) -> int:
+        return int(self.slots.numel()) + int(self.pages.numel())
 
     @property
     def tenant(self) -> Any | None:
@@ -64,22 +81,33 @@ class DraftRow:
         return None if self._tenant is None else self._tenant()
 
     def grow_to(self, capacity: int) -> bool:
-        """At least ``capacity`` slots (more taken from the pool); False where it has none."""
-        need = capacity - int(self.slots.numel())
+        """At least ``capacity`` column slots (more taken from the pool); False where it has
+        none."""
+        got = self._more(capacity - int(self.slots.numel()))
+        if got is not None:
+            self.slots = torch.cat([self.slots, got])
+        return got is not None
+
+    def grow_pages_to(self, count: int) -> bool:
+        """At least ``count`` page slots; False where the pool has none."""
+        got = self._more(count - int(self.pages.numel()))
+        if got is not None:
+            self.pages = torch.cat([self.pages, got])
+        return got is not None
+
+    def _more(self, need: int) -> Tensor | None:
         if need <= 0:
-            return True
+            return self.slots[:0]
         got = self._take(need)
-        if got is None:
-            return False
-        self.slots = torch.cat([self.slots, got.to(self.slots.device, torch.int64)])
-        return True
+        return None if got is None else got.to(self.slots.device, torch.int64)
 
     def release(self) -> Tensor:
         """Evict the tenant and hand back every slot ([n] int64, for the caller to free); the
         row holds none after this."""
         self.evict()
-        slots, self.slots = self.slots, self.slots[:0]
-        return slots
+        held = self.held
+        self.slots, self.pages = self.slots[:0], self.pages[:0]
+        return held
 
     def lodge(self, state: Any) -> int:
         """Move ``state``'s full-precision columns into this row (the previous tenant, if any,
@@ -103,8 +131,8 @@ class DraftRow:
         return lodged
 
     def evict(self) -> None:
-        """Copy the lodged state's columns (if it is alive) into buffers of its own; after
-        this no cache reads or writes these slots."""
+        """Copy the lodged state's columns and packed body (if it is alive) into buffers of its
+        own; after this no cache reads or writes these slots."""
         state = self.tenant
         self._tenant = None
         for cache in () if state is None else state.layers:
@@ -113,19 +141,24 @@ class DraftRow:
 
     def check_integrity(self) -> None:
         """Raises AssertionError if the row's slots repeat, hold the placeholder slot 0, or are
-        fewer than a lodged layer's columns."""
-        slots = self.slots
-        assert int(slots.unique().numel()) == int(slots.numel()), "a slot twice in the row"
-        assert not bool((slots == 0).any()), "the padding slot in a draft row"
+        fewer than a lodged layer's columns or pages."""
+        held = self.held
+        assert int(held.unique().numel()) == int(held.numel()), "a slot twice in the row"
+        assert not bool((held == 0).any()), "the padding slot in a draft row"
         for cache in () if self.tenant is None else self.tenant.layers:
             if isinstance(cache.store, PoolViewStore) and cache.store.row is self:
-                assert cache.float_len <= slots.numel(), "a layer's columns past the row"
+                assert cache.float_len <= self.slots.numel(), "a layer's columns past the row"
+            if isinstance(cache.block, PagedKiviBlock):
+                assert cache.block.key_buffer is self.pool.get_key_buffer(cache.layer_id)
+                pages = cache.block.pages
+                assert torch.equal(pages, self.pages[: pages.numel()]), "a body off the pages"
 
 
 class PoolViewStore(ViewStore):
     """A layer's columns in its pool buffers at a draft row's slots (see module doc).
 
-    Reads gather the slots (``read_pool_kv``); writes scatter into the layer's buffers.
+    Reads gather the slots (``read_pool_kv``); writes scatter into the layer's buffers. A KIVI
+    body goes to the row's pages (``hold_block``).
     """
 
     def __init__(self, row: DraftRow, layer: int) -> None:
@@ -153,6 +186,20 @@ class PoolViewStore(ViewStore):
 
     def slots(self) -> Tensor:
         return self.row.slots
+
+    def hold_block(self, block: QuantizedBlock | None) -> QuantizedBlock | None:
+        """``block`` written to the row's pages (a ``PagedKiviBlock``); a block of another
+        format, or one the pool has no pages for (logged), stays in tensors of its own."""
+        if block is None or not KiviPageLayout.fits(block, self._k):
+            return None if block is None else block.detached()
+        if isinstance(block, PagedKiviBlock) and block.key_buffer is self._k and torch.equal(
+                block.pages, self.row.pages[: block.pages.numel()]):  # fmt: skip
+            return block  # already here (a fold that quantized nothing new)
+        block = block.detached()
+        if not self.row.grow_pages_to(KiviPageLayout.of(block).pages_for(block.num_tokens)):
+            logger.warning("pool full: layer %d's packed body stays outside the pool", self.layer)
+            return block
+        return PagedKiviBlock.write(block, self._k, self._v, self.row.pages)
 
     @property
     def column_bytes(self) -> int:

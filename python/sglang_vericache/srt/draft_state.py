@@ -193,9 +193,8 @@ class RequestDraftState:
     @property
     def nbytes_in_pool(self) -> int:
         """Of ``nbytes``, those lodged in pool slots (a draft row, ``srt/draft_rows.py``); the
-        rest (packed bodies, kept-position indices, columns not lodged) is beside the pool."""
-        return sum(cache.float_len * cache.store.column_bytes for cache in self.layers
-                   if cache.draft_slots() is not None)  # fmt: skip
+        rest (kept-position indices, columns or bodies not lodged) is beside the pool."""
+        return sum(cache.nbytes_in_pool for cache in self.layers)
 
     def check_integrity(self) -> None:
         for cache in self.layers:

@@ -204,11 +204,11 @@ class OffloadLedger:
     def reserved(self, row: int) -> int:
         """Pool slots ``row`` holds for its compressed KV (its draft row's)."""
         draft_row = self.draft_rows.get(row)
-        return 0 if draft_row is None else int(draft_row.slots.numel())
+        return 0 if draft_row is None else draft_row.num_held
 
     def reserved_slots(self) -> int:
         """Pool slots every row holds for compressed KV."""
-        return sum(int(d.slots.numel()) for d in self.draft_rows.values())
+        return sum(d.num_held for d in self.draft_rows.values())
 
     def read(self, pool: Any, table: Tensor, layer: int, row: int, end: int
              ) -> tuple[Tensor, Tensor]:  # fmt: skip
@@ -256,7 +256,7 @@ class OffloadLedger:
         assert self.draft_rows.keys() <= self.rows.keys(), "a draft row without a host range"
         for draft_row in self.draft_rows.values():
             draft_row.check_integrity()
-        held = [d.slots for d in self.draft_rows.values()]
+        held = [d.held for d in self.draft_rows.values()]
         if held:
             slots = torch.cat(held)
             assert int(slots.unique().numel()) == int(slots.numel()), "a slot in two draft rows"

@@ -141,22 +141,22 @@ class PoolOffloader:
         (whole pages), in its draft row (``srt/draft_rows.py``), and lodge ``state`` there.
 
         state: the row's ``RequestDraftState`` (its ``nbytes`` count, not ``compressed_bytes``):
-        its full-precision columns move into the slots, so its compressed KV lives in the pool
-        it is counted in. A state already lodged costs a size check. Returns slots added; where
+        its full-precision columns and a KIVI body's pages move into the slots, so its
+        compressed KV lives in the pool it is counted in. A state already lodged costs a size check. Returns slots added; where
         the pool lacks them, fewer (``reserve_shortfall``, logged).
         """
-        need = self.slots_for(compressed_bytes if state is None else state.nbytes)
         draft_row = self.ledger.draft_rows.get(row)
         if draft_row is None:
-            if state is None and need == 0:
+            if state is None and compressed_bytes == 0:
                 return 0  # a plain row: nothing to hold
             draft_row = self.ledger.draft_rows[row] = DraftRow(self.pool, self._take)
-        before = int(draft_row.slots.numel())
-        if need > before:
-            draft_row.grow_to(need)
+        before = draft_row.num_held
         if state is not None:
-            draft_row.lodge(state)
-        return int(draft_row.slots.numel()) - before
+            draft_row.lodge(state)  # its columns and packed pages take what they need
+        need = self.slots_for(compressed_bytes if state is None else state.nbytes)
+        if need > draft_row.num_held:  # the rest (kept-position indices) as room for columns
+            draft_row.grow_to(int(draft_row.slots.numel()) + need - draft_row.num_held)
+        return draft_row.num_held - before
 
     def _new_host(self, committed: int, req: Any) -> HostKV:
         """A row's host buffer, sized for ``committed`` tokens and what ``req`` may still emit

@@ -31,9 +31,8 @@
 // Float tokens are read where they lie: [H_kv, T, D] with a unit stride on D, the token and head
 // strides free (a compressed cache's buffer sliced to its view and chain, or a pool's slot-major
 // buffer transposed, whose tokens are H_kv * D apart); an index is bounds-checked once per row
-// against T, so a bad slot raises instead of reading outside the buffer. Packed tensors
-// (``compress/kivi.KiviBlock``): codes [H_kv, n, D * bits / 8] uint8, key scale/zero
-// [H_kv, n / group, D], value scale/zero [H_kv, n, 1], float32, each with contiguous tokens.
+// against T, so a bad slot raises instead of reading outside the buffer. A packed body is a
+// KiviBlock's tensors or pages of the pool (``packed_body.h``).
 
 #include <torch/extension.h>
 
@@ -45,7 +44,12 @@
 #include <optional>
 #include <vector>
 
+#include "packed_body.h"
+
 namespace {
+
+using vericache::PackedBody;
+using vericache::packed_body;
 
 void check_view(const at::Tensor& t, int64_t heads, int64_t dim, const char* name) {
   TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat,
@@ -89,57 +93,6 @@ FloatView float_view(const at::Tensor& keys, const at::Tensor& values,
   return view;
 }
 
-void check_rows(const at::Tensor& t, c10::ScalarType dtype, int64_t heads, int64_t tokens,
-                int64_t width, const char* name) {
-  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == dtype, name, ": a CPU ", dtype,
-              " tensor is required");
-  TORCH_CHECK(t.dim() == 3 && t.size(0) == heads && t.size(1) == tokens && t.size(2) == width,
-              name, ": [", heads, ", ", tokens, ", ", width, "] expected, got ", t.sizes());
-  TORCH_CHECK(t.stride(2) == 1 && (t.size(1) <= 1 || t.stride(1) == width),
-              name, ": the token rows must be contiguous");
-}
-
-// One row's packed KIVI body: the six tensors of a KiviBlock, checked.
-struct PackedBody {
-  int64_t n = 0;  // tokens
-  const uint8_t* keys = nullptr;
-  const float* key_scale = nullptr;
-  const float* key_zero = nullptr;
-  const uint8_t* values = nullptr;
-  const float* value_scale = nullptr;
-  const float* value_zero = nullptr;
-  int64_t codes_head = 0, kscale_head = 0, vscale_head = 0, vcodes_head = 0;
-};
-
-PackedBody packed_body(const std::vector<at::Tensor>& parts, int64_t Hkv, int64_t D, int64_t bits,
-                       int64_t group) {
-  PackedBody body;
-  if (parts.empty()) return body;
-  TORCH_CHECK(parts.size() == 6, "a packed body is 6 tensors (KiviBlock.stored_tensors())");
-  const int64_t n = parts[0].size(1), width = D * bits / 8;
-  TORCH_CHECK(n % group == 0, "packed body: ", n, " tokens is not a multiple of group ", group);
-  check_rows(parts[0], at::kByte, Hkv, n, width, "packed keys");
-  check_rows(parts[1], at::kFloat, Hkv, n / group, D, "key scale");
-  check_rows(parts[2], at::kFloat, Hkv, n / group, D, "key zero");
-  check_rows(parts[3], at::kByte, Hkv, n, width, "packed values");
-  check_rows(parts[4], at::kFloat, Hkv, n, 1, "value scale");
-  check_rows(parts[5], at::kFloat, Hkv, n, 1, "value zero");
-  TORCH_CHECK(parts[1].strides() == parts[2].strides() && parts[4].strides() == parts[5].strides(),
-              "packed body: scales and zeros must share strides");
-  body.n = n;
-  body.keys = parts[0].data_ptr<uint8_t>();
-  body.key_scale = parts[1].data_ptr<float>();
-  body.key_zero = parts[2].data_ptr<float>();
-  body.values = parts[3].data_ptr<uint8_t>();
-  body.value_scale = parts[4].data_ptr<float>();
-  body.value_zero = parts[5].data_ptr<float>();
-  body.codes_head = parts[0].stride(0);
-  body.vcodes_head = parts[3].stride(0);
-  body.kscale_head = parts[1].stride(0);
-  body.vscale_head = parts[4].stride(0);
-  return body;
-}
-
 // Packed channels are read slot-major: byte k of a token holds channels k * PER + s for its
 // PER = 8 / bits slots s (low bits first, ``compress/packing.pack_bits``), so channel
 // k * PER + s is kept at s * K + k (K = D / PER). Each slot then unpacks as one shift and mask
@@ -165,21 +118,18 @@ inline int64_t slot_major(int64_t d, int64_t D) {  // channel d's place in an un
 
 // Scratch of one work item, reused across the items a thread runs.
 struct Scratch {
-  std::vector<float> logits, acc, mx, sum, qs, qz, codes, zacc;
-  Scratch(int64_t G, int64_t D) : acc(G * D), mx(G), sum(G), qs(G * D), qz(G), codes(D), zacc(G) {}
+  std::vector<float> logits, acc, mx, sum, qs, qz, codes, zacc, vs, vz;
+  Scratch(int64_t G, int64_t D, int64_t group)
+      : acc(G * D), mx(G), sum(G), qs(G * D), qz(G), codes(D), zacc(G), vs(group), vz(group) {}
 };
 
 // pass 1 over a packed body: logits[j * T + t] for t < body.n
 template <int BITS>
 void score_packed(const PackedBody& body, int64_t h, const float* qh, int64_t G, int64_t D,
                   int64_t group, int64_t T, float s, Scratch& w) {
-  const int64_t width = D * BITS / 8;
-  const uint8_t* codes = body.keys + h * body.codes_head;
-  const float* ks = body.key_scale + h * body.kscale_head;
-  const float* kz = body.key_zero + h * body.kscale_head;
   for (int64_t g = 0; g < body.n / group; ++g) {
-    const float* ksg = ks + g * D;
-    const float* kzg = kz + g * D;
+    const float* ksg = body.ks(g, h);
+    const float* kzg = body.kz(g, h);
     for (int64_t j = 0; j < G; ++j) {
       const float* qj = qh + j * D;
       float* qsj = w.qs.data() + j * D;
@@ -189,8 +139,8 @@ void score_packed(const PackedBody& body, int64_t h, const float* qh, int64_t G,
       for (int64_t d = 0; d < D; ++d) qsj[slot_major<BITS>(d, D)] = s * qj[d] * ksg[d];
       w.qz[j] = s * z;
     }
-    for (int64_t t = g * group; t < (g + 1) * group; ++t) {
-      unpack<BITS>(codes + t * width, w.codes.data(), D);
+    body.key_codes(g, h, [&](int64_t t, const uint8_t* codes) {
+      unpack<BITS>(codes, w.codes.data(), D);
       const float* c = w.codes.data();
       for (int64_t j = 0; j < G; ++j) {
         const float* qsj = w.qs.data() + j * D;
@@ -201,7 +151,7 @@ void score_packed(const PackedBody& body, int64_t h, const float* qh, int64_t G,
         w.logits[j * T + t] = dot;
         w.mx[j] = std::max(w.mx[j], dot);
       }
-    }
+    });
   }
 }
 
@@ -209,22 +159,22 @@ void score_packed(const PackedBody& body, int64_t h, const float* qh, int64_t G,
 template <int BITS>
 void accumulate_packed(const PackedBody& body, int64_t h, int64_t G, int64_t D, int64_t T,
                        Scratch& w) {
-  const int64_t width = D * BITS / 8;
-  const uint8_t* codes = body.values + h * body.vcodes_head;
-  const float* vs = body.value_scale + h * body.vscale_head;
-  const float* vz = body.value_zero + h * body.vscale_head;
   std::fill(w.zacc.begin(), w.zacc.end(), 0.f);
-  for (int64_t t = 0; t < body.n; ++t) {
-    unpack<BITS>(codes + t * width, w.codes.data(), D);
-    const float* c = w.codes.data();
-    for (int64_t j = 0; j < G; ++j) {
-      const float p = w.logits[j * T + t];
-      const float pv = p * vs[t];
-      w.zacc[j] += p * vz[t];
-      float* aj = w.acc.data() + j * D;
+  for (int64_t g = 0; g < body.n / body.group; ++g) {
+    body.value_scales(g, h, w.vs.data(), w.vz.data());
+    body.value_codes(g, h, [&](int64_t t, const uint8_t* codes) {
+      unpack<BITS>(codes, w.codes.data(), D);
+      const float* c = w.codes.data();
+      const float vs = w.vs[t - g * body.group], vz = w.vz[t - g * body.group];
+      for (int64_t j = 0; j < G; ++j) {
+        const float p = w.logits[j * T + t];
+        const float pv = p * vs;
+        w.zacc[j] += p * vz;
+        float* aj = w.acc.data() + j * D;
 #pragma omp simd
-      for (int64_t d = 0; d < D; ++d) aj[d] += pv * c[d];
-    }
+        for (int64_t d = 0; d < D; ++d) aj[d] += pv * c[d];
+      }
+    });
   }
   for (int64_t j = 0; j < G; ++j) {  // back to channel order, the zeros' sum added
     float* aj = w.acc.data() + j * D;
@@ -314,7 +264,7 @@ void run_batch(const at::Tensor& q, const std::vector<FloatView>& views,
   const float* qp = q.data_ptr<float>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
-    Scratch w(G, D);
+    Scratch w(G, D, std::max<int64_t>(group, 1));
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / Hkv, h = item % Hkv;
       attend_item<BITS>(bodies[b], views[b], qp + (b * Hq + h * G) * D, op + (b * Hq + h * G) * D,
