@@ -21,7 +21,9 @@ for 32 tokens' worth of KV: about 5.3x fewer slots).
 
 ``PagedKiviBlock`` is a ``KiviBlock`` written there: its bytes live in the pool and nowhere
 else; reading it as tensors (``detached``) gathers a copy. Who owns the slots decides its
-lifetime: a block must not be read after its slots go back to the allocator.
+lifetime: a block must not be read after its slots go back to the allocator. A fold appends
+whole groups (``concat``): they wait in a ``tail`` of tensors until the store writes them to
+the next pages, so a fold writes the groups it adds, not the whole body again.
 """
 
 from __future__ import annotations
@@ -49,13 +51,18 @@ class KiviPageLayout:
     @classmethod
     def fits(cls, block: QuantizedBlock, key_buffer: Tensor) -> bool:
         """Whether ``block`` can be paged into a pool whose layer buffer is ``key_buffer``
-        ([S, H_kv, D], contiguous): a KIVI block of 2, 4 or 8 bits in the pool's dtype and
-        head shape, with at least two channels a head (a slot holds D / 2 value scales)."""
-        if not isinstance(block, KiviBlock) or block.bits not in (2, 4, 8):
+        ([S, H_kv, D], contiguous): a KIVI block of 2, 4 or 8 bits (in tensors or pages
+        already) in the pool's dtype and head shape, with at least two channels a head (a slot
+        holds D / 2 value scales)."""
+        if isinstance(block, PagedKiviBlock):
+            layout = block.layout
+        elif isinstance(block, KiviBlock) and block.bits in (2, 4, 8):
+            layout = cls.of(block)
+        else:
             return False
         _, h, d = key_buffer.shape
-        return (block.key_scale.dtype == key_buffer.dtype and key_buffer.is_contiguous()
-                and block.key_scale.shape[0] == h and block.key_scale.shape[2] == d and d >= 2)
+        return (layout.dtype == key_buffer.dtype and key_buffer.is_contiguous()
+                and (layout.heads, layout.head_dim) == (h, d) and d >= 2)
 
     @classmethod
     def of(cls, block: KiviBlock) -> "KiviPageLayout":
@@ -150,10 +157,11 @@ class KiviPageLayout:
 
 @dataclass(frozen=True, slots=True, eq=False)
 class PagedKiviBlock(QuantizedBlock):
-    """A ``KiviBlock`` of ``num_tokens`` tokens written in one layer's pool buffers
-    ([S, H_kv, D] each) at ``pages`` ([layout.pages_for(num_tokens)] int64 slots).
+    """A ``KiviBlock`` whose first ``tokens`` tokens are written in one layer's pool buffers
+    ([S, H_kv, D] each) at ``pages`` ([layout.pages_for(tokens)] int64 slots), then ``tail``'s
+    (groups appended by ``concat``, not written yet; None once they are).
 
-    Its bytes are the pages' (``nbytes``); ``detached`` reads them back into tensors.
+    Its bytes are the pages' and the tail's (``nbytes``); ``detached`` reads them into tensors.
     """
 
     layout: KiviPageLayout
@@ -161,6 +169,7 @@ class PagedKiviBlock(QuantizedBlock):
     value_buffer: Tensor
     pages: Tensor
     tokens: int
+    tail: KiviBlock | None = None
 
     @classmethod
     def write(cls, block: KiviBlock, key_buffer: Tensor, value_buffer: Tensor,
@@ -181,19 +190,32 @@ class PagedKiviBlock(QuantizedBlock):
 
     @property
     def num_tokens(self) -> int:
-        return self.tokens
+        return self.tokens + (0 if self.tail is None else self.tail.num_tokens)
 
     @property
     def in_pool(self) -> bool:
-        return True
+        return self.tail is None
 
     @property
     def nbytes(self) -> int:
-        """Both buffers' bytes of every page slot (the pool memory it takes)."""
-        return 2 * int(self.pages.numel()) * self.layout.slot_bytes
+        """Both buffers' bytes of every page slot (the pool memory it takes), and the tail's."""
+        tail = 0 if self.tail is None else self.tail.nbytes
+        return 2 * int(self.pages.numel()) * self.layout.slot_bytes + tail
+
+    def written(self, pages: Tensor) -> "PagedKiviBlock":
+        """This block with its tail written at ``pages`` [layout.pages_for(num_tokens)], whose
+        first slots are this block's ``pages`` (the same buffers): only the tail is written."""
+        if self.tail is None:
+            return self
+        done = int(self.pages.numel())
+        pages = pages[: self.layout.pages_for(self.num_tokens)]
+        self.layout.write(self.tail, self.key_buffer, self.value_buffer, pages[done:])
+        return PagedKiviBlock(self.layout, self.key_buffer, self.value_buffer, pages,
+                              self.num_tokens)  # fmt: skip
 
     def detached(self) -> KiviBlock:
-        return self.layout.read(self.key_buffer, self.value_buffer, self.pages, self.tokens)
+        body = self.layout.read(self.key_buffer, self.value_buffer, self.pages, self.tokens)
+        return body if self.tail is None else body.concat(self.tail)
 
     def stored_tensors(self) -> tuple[Tensor, ...]:
         """A copy's tensors (``detached``): the block itself is pool slots."""
@@ -202,5 +224,11 @@ class PagedKiviBlock(QuantizedBlock):
     def dequantize(self) -> tuple[Tensor, Tensor]:
         return self.detached().dequantize()
 
-    def concat(self, other: QuantizedBlock) -> KiviBlock:
-        return self.detached().concat(other)
+    def concat(self, other: QuantizedBlock) -> QuantizedBlock:
+        """self's tokens then other's: other's groups as the tail (nothing copied), or a block
+        in tensors where the formats differ (raises, as ``KiviBlock.concat`` does)."""
+        if not isinstance(other, KiviBlock) or (other.bits, other.group) != (self.bits, self.group):
+            return self.detached().concat(other)
+        tail = other if self.tail is None else self.tail.concat(other)
+        return PagedKiviBlock(self.layout, self.key_buffer, self.value_buffer, self.pages,
+                              self.tokens, tail)  # fmt: skip

@@ -101,9 +101,9 @@ class CpuDraftDecode:
         """Whether ``__call__`` reads ``body`` packed: a float32 KIVI block of 2, 4 or 8 bits on
         the CPU, in tensors or in pool pages (other quantized formats are dequantized by the
         caller)."""
-        if isinstance(body, PagedKiviBlock):
+        if isinstance(body, PagedKiviBlock):  # written out (no tail: a store writes it)
             buffers = (body.key_buffer, body.value_buffer)
-            return body.bits in PACKED_BITS and all(
+            return body.tail is None and body.bits in PACKED_BITS and all(
                 b.dtype == torch.float32 and b.device.type == "cpu" for b in buffers)
         return (isinstance(body, KiviBlock) and body.bits in PACKED_BITS
                 and body.key_scale.dtype == torch.float32

@@ -192,14 +192,17 @@ class PoolViewStore(ViewStore):
         format, or one the pool has no pages for (logged), stays in tensors of its own."""
         if block is None or not KiviPageLayout.fits(block, self._k):
             return None if block is None else block.detached()
-        if isinstance(block, PagedKiviBlock) and block.key_buffer is self._k and torch.equal(
-                block.pages, self.row.pages[: block.pages.numel()]):  # fmt: skip
+        here = isinstance(block, PagedKiviBlock) and block.key_buffer is self._k and torch.equal(
+            block.pages, self.row.pages[: block.pages.numel()])  # fmt: skip
+        if here and block.tail is None:
             return block  # already here (a fold that quantized nothing new)
-        block = block.detached()
-        if not self.row.grow_pages_to(KiviPageLayout.of(block).pages_for(block.num_tokens)):
+        layout = block.layout if here else KiviPageLayout.of(block)
+        if not self.row.grow_pages_to(layout.pages_for(block.num_tokens)):
             logger.warning("pool full: layer %d's packed body stays outside the pool", self.layer)
-            return block
-        return PagedKiviBlock.write(block, self._k, self._v, self.row.pages)
+            return block.detached()
+        if here:  # a fold's new groups: only they are written
+            return block.written(self.row.pages)
+        return PagedKiviBlock.write(block.detached(), self._k, self._v, self.row.pages)
 
     @property
     def column_bytes(self) -> int:

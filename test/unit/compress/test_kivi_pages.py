@@ -68,10 +68,33 @@ def test_a_store_of_its_own_reads_a_paged_block_out() -> None:
         assert torch.equal(a, b)
 
 
-def test_a_fold_over_a_paged_body_grows_it_by_whole_groups() -> None:
-    """concat reads the pages out and appends: what a layer cache's fold does."""
-    block, more = _block(4, 64, 3, 64), _block(4, 32, 3, 64)
+def test_a_fold_over_a_paged_body_writes_only_the_groups_it_adds() -> None:
+    """What a layer cache's fold does: concat keeps the new groups as a tail (read as the whole
+    block meanwhile), and ``written`` puts them on the next pages, leaving the first alone."""
+    block, more, most = _block(4, 64, 3, 64), _block(4, 32, 3, 64), _block(4, 64, 3, 64)
     k_buf, v_buf = torch.zeros(2, 40, 3, 64)
-    grown = PagedKiviBlock.write(block, k_buf, v_buf, torch.arange(1, 40)).concat(more)
-    want = block.concat(more)
+    pages = torch.randperm(39) + 1
+    paged = PagedKiviBlock.write(block, k_buf, v_buf, pages)
+    grown = paged.concat(more).concat(most)  # two folds before a store writes them
+    want = block.concat(more).concat(most)
+    assert isinstance(grown, PagedKiviBlock) and not grown.in_pool
+    assert grown.num_tokens == want.num_tokens and grown.nbytes == paged.nbytes + more.nbytes + most.nbytes
     assert all(torch.equal(a, b) for a, b in zip(grown.stored_tensors(), want.stored_tensors()))
+    raw = lambda: torch.cat([k_buf[paged.pages], v_buf[paged.pages]]).view(torch.uint8)  # noqa: E731
+    first = raw().clone()  # bytes: codes read as floats may be NaN, which no float equals
+    done = grown.written(pages)
+    assert done.in_pool and done.tail is None and done.pages.numel() == 30
+    assert torch.equal(raw(), first)
+    assert all(torch.equal(a, b) for a, b in zip(done.stored_tensors(), want.stored_tensors()))
+    with pytest.raises(ValueError, match="differ in format"):
+        paged.concat(_block(2, 32, 3, 64))
+
+
+def test_a_paged_block_fits_the_pool_it_came_from() -> None:
+    """A fold hands the store a block already in its pages (maybe with a tail): it must be
+    taken as such, not read out into tensors beside the pool."""
+    block = _block(4, 64, 3, 64)
+    k_buf, v_buf = torch.zeros(2, 40, 3, 64)
+    paged = PagedKiviBlock.write(block, k_buf, v_buf, torch.arange(1, 40))
+    assert KiviPageLayout.fits(paged, k_buf) and KiviPageLayout.fits(paged.concat(block), k_buf)
+    assert not KiviPageLayout.fits(paged, torch.zeros(40, 2, 64))
