@@ -110,9 +110,10 @@ class DraftRow:
         return held
 
     def lodge(self, state: Any) -> int:
-        """Move ``state``'s full-precision columns into this row (the previous tenant, if any,
-        evicted first). Returns the layers lodged: a layer whose columns the pool could not
-        take keeps its own buffer (and the pool's count is short by it, logged)."""
+        """Move ``state``'s full-precision columns (and a KIVI body, to pages) into this row
+        (the previous tenant, if any, evicted first). Returns the layers lodged: a layer whose
+        columns the pool could not take keeps its own buffer (and the pool's count is short by
+        it, logged)."""
         if self.tenant is state:
             return sum(isinstance(c.store, PoolViewStore) and c.store.row is self
                        for c in state.layers)  # fmt: skip
@@ -148,7 +149,7 @@ class DraftRow:
         for cache in () if self.tenant is None else self.tenant.layers:
             if isinstance(cache.store, PoolViewStore) and cache.store.row is self:
                 assert cache.float_len <= self.slots.numel(), "a layer's columns past the row"
-            if isinstance(cache.block, PagedKiviBlock):
+            if isinstance(cache.block, PagedKiviBlock) and cache.block.in_pool:
                 assert cache.block.key_buffer is self.pool.get_key_buffer(cache.layer_id)
                 pages = cache.block.pages
                 assert torch.equal(pages, self.pages[: pages.numel()]), "a body off the pages"
