@@ -229,3 +229,22 @@ def test_a_plain_row_holds_nothing() -> None:
     rows.req_to_token[0, :T] = alloc.alloc(T).to(torch.int32)
     assert off.offload(0, owned_from=0, committed=T).reserved == 0
     assert not off.ledger.draft_rows
+
+
+def test_a_body_paged_in_another_row_is_copied_into_this_rows_pages() -> None:
+    """A store handed a body that lives in another row's pages writes its own copy (its layout
+    taken from the paged block) instead of pointing at slots it does not hold."""
+    from sglang_vericache.compress import Kivi
+    from sglang_vericache.compress.kivi_pages import PagedKiviBlock
+    from sglang_vericache.srt.draft_rows import PoolViewStore
+
+    kv, alloc = _pool_and_alloc()
+    block = Kivi(bits=4, group=16).quantize(torch.randn(H_KV, 64, D), torch.randn(H_KV, 64, D))
+    first, second = _row(kv, alloc), _row(kv, alloc)
+    in_first = PoolViewStore(first, 1).hold_block(block)
+    in_second = PoolViewStore(second, 1).hold_block(in_first)
+    assert isinstance(in_second, PagedKiviBlock) and in_second.in_pool
+    assert torch.equal(in_second.pages, second.pages[: in_second.pages.numel()])
+    assert not set(second.pages.tolist()) & set(first.pages.tolist())
+    for got, want in zip(in_second.stored_tensors(), block.stored_tensors()):
+        assert torch.equal(got, want)

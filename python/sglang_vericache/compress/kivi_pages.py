@@ -54,18 +54,18 @@ class KiviPageLayout:
         ([S, H_kv, D], contiguous): a KIVI block of 2, 4 or 8 bits (in tensors or pages
         already) in the pool's dtype and head shape, with at least two channels a head (a slot
         holds D / 2 value scales)."""
-        if isinstance(block, PagedKiviBlock):
-            layout = block.layout
-        elif isinstance(block, KiviBlock) and block.bits in (2, 4, 8):
-            layout = cls.of(block)
-        else:
+        if not isinstance(block, (KiviBlock, PagedKiviBlock)) or block.bits not in (2, 4, 8):
             return False
+        layout = cls.of(block)
         _, h, d = key_buffer.shape
         return (layout.dtype == key_buffer.dtype and key_buffer.is_contiguous()
                 and (layout.heads, layout.head_dim) == (h, d) and d >= 2)
 
     @classmethod
-    def of(cls, block: KiviBlock) -> "KiviPageLayout":
+    def of(cls, block: "KiviBlock | PagedKiviBlock") -> "KiviPageLayout":
+        """The layout ``block``'s groups take (a paged block's own)."""
+        if isinstance(block, PagedKiviBlock):
+            return block.layout
         h, _, d = block.key_scale.shape
         return cls(h, d, block.bits, block.group, block.key_scale.dtype)
 
@@ -80,10 +80,14 @@ class KiviPageLayout:
         return self.heads * self.head_dim * self.bits // 8
 
     @property
+    def code_slots(self) -> int:
+        """Slots a group's codes fill in either buffer (whole slots)."""
+        return -(-self.group * self.code_bytes // self.slot_bytes)
+
+    @property
     def slots_per_group(self) -> int:
-        code_slots = -(-self.group * self.code_bytes // self.slot_bytes)
         scale_slots = -(-self.group * 2 * self.heads * self.dtype.itemsize // self.slot_bytes)
-        return max(2 + code_slots, code_slots + scale_slots)
+        return max(2 + self.code_slots, self.code_slots + scale_slots)
 
     def pages_for(self, num_tokens: int) -> int:
         """Slots ``num_tokens`` packed tokens (whole groups) take."""
@@ -125,7 +129,7 @@ class KiviPageLayout:
     @property
     def _value_scales_at(self) -> int:
         """Byte offset of the value scales in a page: after the codes' whole slots."""
-        return -(-self.group * self.code_bytes // self.slot_bytes) * self.slot_bytes
+        return self.code_slots * self.slot_bytes
 
     def read(self, key_buffer: Tensor, value_buffer: Tensor, pages: Tensor,
              num_tokens: int) -> KiviBlock:  # fmt: skip

@@ -197,8 +197,7 @@ class PoolViewStore(ViewStore):
             block.pages, self.row.pages[: block.pages.numel()])  # fmt: skip
         if here and block.tail is None:
             return block  # already here (a fold that quantized nothing new)
-        layout = block.layout if here else KiviPageLayout.of(block)
-        if not self.row.grow_pages_to(layout.pages_for(block.num_tokens)):
+        if not self.row.grow_pages_to(KiviPageLayout.of(block).pages_for(block.num_tokens)):
             logger.warning("pool full: layer %d's packed body stays outside the pool", self.layer)
             return block.detached()
         if here:  # a fold's new groups: only they are written

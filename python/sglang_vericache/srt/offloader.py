@@ -142,8 +142,9 @@ class PoolOffloader:
 
         state: the row's ``RequestDraftState`` (its ``nbytes`` count, not ``compressed_bytes``):
         its full-precision columns and a KIVI body's pages move into the slots, so its
-        compressed KV lives in the pool it is counted in. A state already lodged costs a size check. Returns slots added; where
-        the pool lacks them, fewer (``reserve_shortfall``, logged).
+        compressed KV lives in the pool it is counted in. A state already lodged costs a size
+        check. Returns slots added; where the pool lacks them, fewer (``reserve_shortfall``,
+        logged).
         """
         draft_row = self.ledger.draft_rows.get(row)
         if draft_row is None:

@@ -97,4 +97,5 @@ def test_a_paged_block_fits_the_pool_it_came_from() -> None:
     k_buf, v_buf = torch.zeros(2, 40, 3, 64)
     paged = PagedKiviBlock.write(block, k_buf, v_buf, torch.arange(1, 40))
     assert KiviPageLayout.fits(paged, k_buf) and KiviPageLayout.fits(paged.concat(block), k_buf)
+    assert KiviPageLayout.of(paged) == KiviPageLayout.of(block)
     assert not KiviPageLayout.fits(paged, torch.zeros(40, 2, 64))
