@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # GPU check for the ops/ kernels (issue 7), one run on a CUDA machine that has torch + triton.
-# Needs nothing else: imports only sglang_vericache.ops (no sglang) from this working tree.
-#   1. kernel-vs-reference tests on the GPU (pytest if present, else kernels/selfcheck.py)
+# Needs nothing else: step 1 imports only sglang_vericache.ops (no sglang) from this working tree.
+#   1. kernel-vs-reference tests on the GPU (pytest if present, else kernels/selfcheck.py), and
+#      the srt glue's GPU tests where SGLang is installed
 #   2. bandwidth of the quantized decode kernel vs measured copy bandwidth (B=32 x 8k)
 #   3. draft step time alone vs with a concurrent pinned H2D full-KV copy on a side stream
 # Writes JSON (and the log) to $OUT (default ./gpu_out); ends with one SUMMARY line.
@@ -55,6 +56,14 @@ if "$PY" -c "import pytest" 2>/dev/null; then
 else
   log "pytest not found: falling back to kernels/selfcheck.py"
   step kernel_tests 150 "$PY" kernels/selfcheck.py --out "$OUT/selfcheck.json"
+fi
+
+# The GPU tests of the serving glue (staging a verify's full KV: srt/full_kv_stage.py) need SGLang
+if "$PY" -c "import pytest, sglang" 2>/dev/null; then
+  step srt_gpu_tests 120 "$PY" -m pytest test/srt -m gpu -q -p no:cacheprovider -rs \
+    --junitxml="$OUT/srt_gpu_tests.xml"
+else
+  log "sglang not importable: skipping the srt GPU tests"
 fi
 
 step quant_decode_bench 220 "$PY" kernels/bench_quant_decode.py --out "$OUT/quant_decode.json" \

@@ -23,6 +23,18 @@ CHUNKED_PREFILL = 512
 SHARED_ARGS = ["--max-total-tokens", "16384", "--chunked-prefill-size", str(CHUNKED_PREFILL)]
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked ``gpu`` run only where CUDA is (``scripts/gpu_check.sh``)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session")
 def default_model_path() -> Path:
     """The converted embedded model (built on first use, verified on every session)."""

@@ -46,12 +46,3 @@ def _interpreter_env(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.fixture
 def device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA device")
-    for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)

@@ -5,7 +5,7 @@ import time
 import pytest
 import torch
 
-from sglang_vericache.ops.prefetch import FullKVPrefetcher
+from sglang_vericache.ops.prefetch import FullKVPrefetcher, device_copy_pairs
 
 
 def test_cpu_fallback_copies_and_reports_each_task_once() -> None:
@@ -91,3 +91,55 @@ def test_cuda_copy_ordered_after_event_does_not_wait_for_queued_kernels() -> Non
         pre.check_integrity()
     torch.cuda.synchronize()
     assert torch.equal(dst.cpu(), src)
+
+
+def _host_row(capacity: int, length: int, pin: bool = False) -> torch.Tensor:
+    """A host KV row as ``HostKV`` holds it: [L, 2, H_kv, length, D] of a wider buffer."""
+    buf = torch.randn(3, 2, 4, capacity, 8)
+    return (buf.pin_memory() if pin else buf)[..., :length, :]
+
+
+@pytest.mark.parametrize(
+    "capacity, length, copies",
+    [(104, 100, 1),  # gaps of 4 tokens per run: the whole span, one copy
+     (400, 100, 3 * 2 * 4),  # a span 4x the view: one copy per [length, D] run
+     (100, 100, 1)],  # no gaps: contiguous
+)
+def test_a_strided_host_view_comes_over_in_few_contiguous_copies(capacity: int, length: int,
+                                                                   copies: int) -> None:
+    src = _host_row(capacity, length)
+    pairs, dst = device_copy_pairs(src, "cpu")
+    assert len(pairs) == copies
+    assert all(s.is_contiguous() and s.shape == d.shape for s, d in pairs)
+    assert sum(s.numel() for s, _ in pairs) <= 1.25 * src.numel()
+    pre = FullKVPrefetcher("cpu")
+    task = pre.submit(pairs)
+    assert pre.poll() == [task]
+    assert dst.shape == src.shape and torch.equal(dst, src)
+
+
+def test_a_view_without_contiguous_runs_still_copies_exactly() -> None:
+    transposed = torch.randn(6, 5).t()  # no gaps, other order: one copy keeps its strides
+    pairs, dst = device_copy_pairs(transposed, "cpu", max_waste=0.0)
+    assert len(pairs) == 1
+    sparse = torch.randn(8, 5).t()[:, ::2]  # last dimension strided: runs of one element
+    more, dst2 = device_copy_pairs(sparse, "cpu", max_waste=0.0)
+    assert len(more) == sparse.numel()
+    FullKVPrefetcher("cpu").submit(pairs + more)
+    assert torch.equal(dst, transposed) and torch.equal(dst2, sparse)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("capacity", [104, 400])
+def test_cuda_strided_host_row_arrives_whole(capacity: int) -> None:
+    src = _host_row(capacity, 100, pin=True)
+    pre = FullKVPrefetcher(torch.device("cuda"))
+    pairs, dst = device_copy_pairs(src, "cuda")
+    task = pre.submit(pairs)
+    pre.order_after(task)  # the current stream waits on the side stream's copies
+    assert torch.equal((dst * 1).cpu(), src)  # a kernel on the current stream reads it
+    deadline = time.monotonic() + 30
+    seen: list[int] = []
+    while not seen and time.monotonic() < deadline:
+        seen = pre.poll()
+    assert seen == [task]

@@ -125,3 +125,29 @@ def test_a_verify_attends_causally_and_builds_each_rows_mask_once_per_forward() 
                           torch.arange(end).expand(H_KV, -1), layer.scaling)  # fmt: skip
             got = first[i * w : (i + 1) * w].view(w, H_Q, D).transpose(0, 1)
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_verify_over_a_staged_host_range_equals_one_over_the_host_buffer() -> None:
+    """A device pool's verify reads a row's host range from the copy staged while the batch
+    drafted (``srt/full_kv_stage.py``): the same attention as over the host buffer itself."""
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    from sglang_vericache.srt.full_kv_stage import FullKVStager
+    from sglang_vericache.srt.offloader import PoolOffloader
+
+    backend, layer, batch, _, (kv, rows, alloc) = _setup()
+    off = PoolOffloader(kv, rows, alloc, 1)
+    off.offload(0, owned_from=0, committed=36, compressed_bytes=0, min_tokens=1)
+    w = 3
+    bases = [p + n - w for p, n in zip(PREFIX, NEW)]
+    fb = SimpleNamespace(**{**vars(batch), "forward_mode": ForwardMode.TARGET_VERIFY,
+                            "spec_info": SimpleNamespace(draft_token_num=w),
+                            "seq_lens_cpu": torch.tensor(bases)})  # fmt: skip
+    q = torch.randn(len(bases) * w, H_Q * D)
+    want = backend.forward_extend(q, None, None, layer, fb, save_kv_cache=False)
+    stager = FullKVStager(off.ledger, "cpu", budget_bytes=1 << 20)
+    assert stager.stage([0, 1]) == off.ledger.span(0).host.nbytes  # row 1 is all in the pool
+    stager.ready()
+    got = backend.forward_extend(q, None, None, layer, fb, save_kv_cache=False)
+    stager.release()
+    torch.testing.assert_close(got, want, rtol=0, atol=0)

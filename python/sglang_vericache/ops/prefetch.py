@@ -24,6 +24,52 @@ import torch
 
 CopyPair = tuple[torch.Tensor, torch.Tensor]  # (host source, device destination), same shape
 
+# Most bytes a copy may move beyond a strided view's own (as a fraction of them) to take the view
+# with its gaps in one contiguous copy instead of one copy per contiguous run.
+SPAN_WASTE = 0.25
+
+
+def device_copy_pairs(src: torch.Tensor, device: torch.device | str,
+                      max_waste: float = SPAN_WASTE) -> tuple[list[CopyPair], torch.Tensor]:
+    """Copies that bring a strided host view ``src`` to ``device``, and the device tensor (same
+    shape and strides as ``src``, or contiguous) that holds it once they ran.
+
+    A view of a wider buffer (a host KV row: [L, 2, H_kv, n, D] of [L, 2, H_kv, capacity, D]) is
+    contiguous only in runs ([n, D] per layer, K/V and head). Where its memory span, gaps
+    included, exceeds its own bytes by at most ``max_waste``, one copy of the span serves (the
+    destination keeps the gaps); else one copy per run into a contiguous destination::
+
+        host span   |run0|gap|run1|gap|run2|      span <= (1 + max_waste) x runs: copy it whole
+        device      |run0|run1|run2|               else: one copy per run
+
+    Each copy's source is contiguous, so a pinned buffer's copy stays asynchronous (torch would
+    stage a strided source through a pageable temporary, synchronously).
+    """
+    if src.is_contiguous():
+        dst = torch.empty_like(src, device=device)
+        return [(src, dst)], dst
+    span = 1 + sum((size - 1) * stride for size, stride in zip(src.shape, src.stride()))
+    if min(src.stride()) >= 0 and span <= (1 + max_waste) * src.numel():
+        flat_src = src.as_strided((span,), (1,))
+        flat_dst = torch.empty(span, dtype=src.dtype, device=device)
+        return [(flat_src, flat_dst)], flat_dst.as_strided(src.shape, src.stride())
+    dst = torch.empty(src.shape, dtype=src.dtype, device=device)
+    inner = _contiguous_tail_dims(src)
+    outer = src.shape[: src.dim() - inner]
+    pairs = [(src[index], dst[index]) for index in itertools.product(*map(range, outer))]
+    return pairs, dst
+
+
+def _contiguous_tail_dims(t: torch.Tensor) -> int:
+    """How many trailing dimensions of ``t`` are laid out contiguously (row-major)."""
+    expected, count = 1, 0
+    for size, stride in zip(reversed(t.shape), reversed(t.stride())):
+        if size != 1 and stride != expected:
+            break
+        expected *= size
+        count += 1
+    return count
+
 
 @dataclass(slots=True)
 class _Task:

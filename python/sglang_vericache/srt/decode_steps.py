@@ -5,7 +5,8 @@ methods, the way SGLang splits its scheduler into mixins; they read the worker's
 ``book``/``states`` (per-request records), ``offloader``, ``attn``, ``target_worker``,
 ``draft_length`` (planner and cost fit), ``clock`` (the step profile), ``metrics``, ``ahead``,
 ``generator``, ``compressor``, ``precision`` (draft weights), ``draft_kernel`` / ``paged_draft``
-(batched draft attention: the CPU kernel, a GPU's paged decode), ``num_layers``,
+(batched draft attention: the CPU kernel, a GPU's paged decode), ``stager`` (a verify's full
+KV to the device while the batch drafts: ``srt/full_kv_stage.py``), ``num_layers``,
 ``offload_only``, ``device`` and ``speculative_num_draft_tokens``.
 Everything runs on the scheduler thread.
 
@@ -184,6 +185,8 @@ class DecodeSteps:
             state, length = self.states[batch.reqs[i].rid], int(base[i])
             state.catch_up(self.offloader.range_reader(pool_rows[i], state.covered, length), length)
         self._lap(Phase.COMMIT)
+        # the verify's host-resident full KV goes to the device while the batch drafts (a GPU)
+        self.clock.note_transient(self.stager.stage(pool_rows))
         # Drafts made while fetching are greedy, unmasked and carry no q: all-greedy steps only.
         ahead = None if plain_rows or step.sampled or step.grammar else batch_proposals(
             self.ahead, batch.reqs, width - 1, self.book.ahead_used, self.device)
@@ -203,10 +206,12 @@ class DecodeSteps:
 
         set_verify_inputs(batch, self.offloader.table, rows, base)
         self.attn.capture = QueryCapture(width)
+        self.stager.ready()
         try:
             out = self.target_worker.forward_batch_generation(batch, is_verify=True)
         finally:
             capture, self.attn.capture = self.attn.capture, None
+            self.stager.release()
         draft_lens = torch.zeros(bs, dtype=torch.int32, device=self.device)
         draft_lens[drafted] = width - 1
         if grammar is not None:

@@ -117,14 +117,27 @@ class HostKV:
 
 @dataclass(slots=True)
 class OffloadedRow:
-    """Positions [lo, hi) of one pool row live in ``host``."""
+    """Positions [lo, hi) of one pool row live in ``host``.
+
+    staged: this step's copy of the host tokens [0, n) on the pool's device, [L, 2, H_kv, n, D]
+    (a device pool: copied while the batch drafts, dropped after the verify;
+    ``srt/full_kv_stage.py``), or None.
+    """
 
     lo: int
     host: HostKV
+    staged: Tensor | None = None
 
     @property
     def hi(self) -> int:
         return self.lo + self.host.length
+
+    def layer(self, layer: int, start: int, end: int) -> tuple[Tensor, Tensor]:
+        """K and V of host tokens [start, end) of one layer, each [H_kv, n, D]: from the staged
+        device copy where it holds them, else from the host buffer."""
+        if self.staged is not None and end <= self.staged.shape[3]:
+            return self.staged[layer, 0, :, start:end], self.staged[layer, 1, :, start:end]
+        return self.host.layer(layer, start, end)
 
 
 class PrefixTreeHooks(Protocol):
@@ -222,8 +235,10 @@ class OffloadLedger:
         entry = self.rows.get(row)
         if entry is None or entry.lo >= end:
             return read_pool_kv(pool, layer, table[row, :end], view_ok=True)
-        if entry.lo == 0 and entry.hi <= end:  # all of the host buffer, then the pool's tail:
-            tk, tv = read_pool_kv(pool, layer, table[row, entry.hi : end])  # in place if it fits
+        # the host buffer whole, then the pool's tail written after it, in place if it has room
+        # (a staged copy lives on the device: read_range concatenates it there)
+        if entry.lo == 0 and entry.hi <= end and entry.staged is None:
+            tk, tv = read_pool_kv(pool, layer, table[row, entry.hi : end])
             whole = entry.host.layer_with_tail(layer, tk, tv)
             if whole is not None:
                 return whole
@@ -244,7 +259,7 @@ class OffloadLedger:
         lo, hi = max(start, entry.lo), min(end, entry.hi)
         device = table.device
         pk, pv = read_pool_kv(pool, layer, table[row, start:lo])
-        hk, hv = entry.host.layer(layer, lo - entry.lo, hi - entry.lo)
+        hk, hv = entry.layer(layer, lo - entry.lo, hi - entry.lo)
         tk, tv = read_pool_kv(pool, layer, table[row, hi:end])
         keys = torch.cat([pk, hk.to(device, non_blocking=True), tk], dim=1)
         values = torch.cat([pv, hv.to(device, non_blocking=True), tv], dim=1)

@@ -65,6 +65,7 @@ from sglang_vericache.srt.eligibility import (
     plain_reason,
     prefill_only,
 )
+from sglang_vericache.srt.full_kv_stage import FullKVStager
 from sglang_vericache.srt.metrics import VeriCacheExporter, request_meta_info
 from sglang_vericache.srt.offloader import PoolOffloader
 from sglang_vericache.srt.patches import publish_meta_info
@@ -93,6 +94,7 @@ class VeriCacheWorker(DecodeSteps, BaseSpecWorker):
         self.speculative_num_draft_tokens = int(server_args.speculative_num_draft_tokens)
         self.num_layers = self.model_runner.model_config.num_hidden_layers
         self._offloader: PoolOffloader | None = None
+        self._stager: FullKVStager | None = None
         self._ahead: DraftAhead | None = None
         self.clock = StepClock()  # where each decode step's time goes (metrics, step profile)
         # --vericache-draft-len 0: the offload-only baseline (full KV off the device, no drafts)
@@ -170,6 +172,15 @@ class VeriCacheWorker(DecodeSteps, BaseSpecWorker):
             # also requests that finish at prefill, which SGLang never reports as finished
             self._offloader.ledger.release_listeners.append(self._forget)
         return self._offloader
+
+    @property
+    def stager(self) -> FullKVStager:
+        """Copies a verify's host-resident full KV to the device while the batch drafts (a
+        device pool; nothing on a host-memory one): sized after the pool took its memory."""
+        if self._stager is None:
+            device = self.offloader.pool.get_key_buffer(0).device
+            self._stager = FullKVStager.for_pool(self.offloader.ledger, device)
+        return self._stager
 
     @property
     def ahead(self) -> DraftAhead | None:
