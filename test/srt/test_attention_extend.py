@@ -101,6 +101,7 @@ def test_a_verify_attends_causally_and_builds_each_rows_mask_once_per_forward() 
     from sglang_vericache.compress.attend import attend
 
     backend, layer, batch, _, (kv, rows, _) = _setup()
+    backend.verify_kernel = None  # the SDPA loop (the kernel: the next test)
     w = 3
     seq = [p + n for p, n in zip(PREFIX, NEW)]
     for bases in ([s - w for s in seq], [s - w - 2 for s in seq]):  # two verifies
@@ -151,3 +152,29 @@ def test_a_verify_over_a_staged_host_range_equals_one_over_the_host_buffer() -> 
     got = backend.forward_extend(q, None, None, layer, fb, save_kv_cache=False)
     stager.release()
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_a_verify_on_the_cpu_kernel_attends_as_the_sdpa_loop_does() -> None:
+    """One kernel call per layer for every row (``ops/cpu_verify_decode.py``), a row's prefix
+    offloaded to its host buffer or not: the SDPA loop's attention within float32 rounding."""
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    from sglang_vericache.srt.offloader import PoolOffloader
+
+    backend, layer, batch, _, (kv, rows, alloc) = _setup()
+    assert backend.verify_kernel is not None, "the CPU attention kernels did not build"
+    w = 4
+    bases = [p + n - w for p, n in zip(PREFIX, NEW)]
+    fb = SimpleNamespace(**{**vars(batch), "forward_mode": ForwardMode.TARGET_VERIFY,
+                            "spec_info": SimpleNamespace(draft_token_num=w),
+                            "seq_lens_cpu": torch.tensor(bases)})  # fmt: skip
+    q = torch.randn(len(bases) * w, H_Q * D)
+    kernel = backend.forward_extend(q, None, None, layer, fb, save_kv_cache=False)
+    assert backend._verify_masks == (None, {})  # no mask built: the kernel ran
+    PoolOffloader(kv, rows, alloc, 1).offload(0, owned_from=0, committed=30, compressed_bytes=0,
+                                              min_tokens=1)
+    offloaded = backend.forward_extend(q, None, None, layer, fb, save_kv_cache=False)
+    backend.verify_kernel = None
+    sdpa = backend.forward_extend(q, None, None, layer, fb, save_kv_cache=False)
+    torch.testing.assert_close(kernel, sdpa, rtol=1e-5, atol=1e-6)
+    assert torch.equal(offloaded, kernel)  # the same bytes, read from the host buffer

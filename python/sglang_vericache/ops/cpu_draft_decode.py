@@ -32,20 +32,14 @@ Drafts are proposals: the verify over the full KV decides every committed token,
 kernel's float32 summation order can move acceptance by a rounding, never an output. The plain
 and verify forwards keep torch's SDPA.
 
-The extension is compiled on first use by torch's ``cpp_extension`` (about 30 s on 2 cores,
-then cached under ``TORCH_EXTENSIONS_DIR``) for this CPU (``-march=native``; the cache name
-carries torch's CPU capability, so a shared cache never hands AVX-512 code to an AVX2 host).
-Where it cannot be built (no compiler) drafting keeps the SDPA loop and says so once.
+The kernel is part of the CPU attention build (``cpu_kernels.py``: compiled on first use, about
+30 s, then cached). Where it cannot be built (no compiler) drafting keeps the SDPA loop and says
+so once.
 """
 
 from __future__ import annotations
 
-import functools
-import hashlib
-import logging
-import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Sequence
 
 import torch
@@ -53,14 +47,8 @@ from torch import Tensor
 
 from sglang_vericache.compress.kivi import KiviBlock
 from sglang_vericache.compress.kivi_pages import PagedKiviBlock
+from sglang_vericache.ops.cpu_kernels import load_cpu_kernels
 
-logger = logging.getLogger(__name__)
-
-SOURCE = Path(__file__).parent / "csrc" / "draft_decode.cpp"
-HEADERS = (Path(__file__).parent / "csrc" / "packed_body.h",)  # included by SOURCE
-# -fopenmp: ATen's parallel_for is an OpenMP region inlined from its headers (the symbols
-# resolve to the libgomp torch loaded). No -ffast-math: the softmax starts from -inf.
-CFLAGS = ("-O3", "-march=native", "-fopenmp")
 PACKED_BITS = (2, 4, 8)  # the KIVI widths read packed (16 is stored unquantized)
 
 
@@ -132,15 +120,6 @@ class CpuDraftDecode:
         return out
 
 
-def _source_digest() -> str:
-    """8 hex digits of the kernel's source and headers (torch rebuilds on a changed source, not
-    on a changed header alone)."""
-    digest = hashlib.sha256()
-    for path in (SOURCE, *HEADERS):
-        digest.update(path.read_bytes())
-    return digest.hexdigest()[:8]
-
-
 def _body_parts(body: KiviBlock | PagedKiviBlock | None) -> list[Tensor]:
     """What the kernel takes for a body: nothing, its six tensors, or (pool key buffer, value
     buffer, pages) for one in pool pages."""
@@ -151,22 +130,8 @@ def _body_parts(body: KiviBlock | PagedKiviBlock | None) -> list[Tensor]:
     return list(body.stored_tensors())
 
 
-@functools.cache
 def load_cpu_draft_decode() -> CpuDraftDecode | None:
-    """Build (or load the cached build of) the kernel; None, logged once, where that fails."""
-    from torch.utils.cpp_extension import load
-
-    capability = torch.backends.cpu.get_cpu_capability().lower()
-    started = time.perf_counter()
-    logger.info("building the CPU draft-attention kernel for %s (about 30 s the first time, "
-                "cached after)", capability)  # fmt: skip
-    try:  # the name carries the sources' digest: a stale build is never loaded
-        module = load(name=f"vericache_draft_decode_{capability}_{_source_digest()}",
-                      sources=[str(SOURCE)],
-                      extra_cflags=list(CFLAGS), verbose=False)  # fmt: skip
-    except Exception as exc:  # no compiler, no ninja, a read-only cache: the SDPA loop serves
-        logger.warning("CPU draft-attention kernel unavailable (%s: %s); drafts attend with "
-                       "one SDPA call per row and layer", type(exc).__name__, exc)  # fmt: skip
-        return None
-    logger.info("CPU draft-attention kernel ready in %.1f s", time.perf_counter() - started)
-    return CpuDraftDecode(module)
+    """The draft kernel of the CPU attention build (``cpu_kernels.py``); None where it cannot
+    be built."""
+    module = load_cpu_kernels()
+    return None if module is None else CpuDraftDecode(module)

@@ -20,7 +20,9 @@ Three forward kinds reach it (``AttentionBackend.forward`` dispatches DECODE to
                   dequantized tokens)     | step's draft forwards
 - TARGET_VERIFY: the draft is checked against the full KV with the same masked attention, D
   queries per request over [0, base + D): O(D * L) (stock torch_native's extend would take 16 s
-  for one verify at 8k).
+  for one verify at 8k). On a CPU with float32 KV every row of a layer attends in one call of
+  the verify kernel (``ops/cpu_verify_decode.py``: 1.65x torch's SDPA loop at 8 rows x 6.3k),
+  reading each row's full KV where the ledger finds it.
 
 The full KV of a request is read through the offload ledger (``srt/offload.py``): positions the
 worker moved to host memory come from there, the rest from the pool. Plain DECODE steps over a
@@ -29,6 +31,7 @@ batch with offloaded rows take the same per-request path.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -39,6 +42,7 @@ from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 from torch.nn.functional import scaled_dot_product_attention
 
 from sglang_vericache.compress.attend import group_mask, grouped_sdpa
+from sglang_vericache.ops.cpu_verify_decode import CpuVerifyDecode, load_cpu_verify_decode
 from sglang_vericache.srt.draft_attention import DraftPlan
 from sglang_vericache.srt.offload import ledger_for
 from sglang_vericache.verify.step_profile import StepClock
@@ -98,6 +102,12 @@ class VeriCacheAttnBackend(TorchNativeAttnBackend):
                 layer, KVWriteLoc(fb.out_cache_loc, self.swa_out_cache_loc), k, v
             )
 
+    @functools.cached_property
+    def verify_kernel(self) -> CpuVerifyDecode | None:
+        """The CPU verify kernel (built with the draft kernel at the worker's start), None on
+        another device or where it cannot be built: the SDPA loop serves."""
+        return load_cpu_verify_decode() if torch.device(self.device).type == "cpu" else None
+
     def _full_kv(self, layer_id: int, row: int, end: int):
         """Exact K/V of positions [0, end) of a row (host-offloaded ranges included)."""
         table = self.req_to_token_pool.req_to_token
@@ -109,8 +119,7 @@ class VeriCacheAttnBackend(TorchNativeAttnBackend):
             n_tok = fb.spec_info.draft_token_num  # seq_lens are the committed KV: drafts follow
             new = [n_tok] * len(fb.seq_lens_cpu)
             ends = [base + n_tok for base in fb.seq_lens_cpu.tolist()]
-            out = self._attend_new_tokens(q3, k, v, layer, fb, new, ends, save_kv_cache,
-                                          shared_masks=True)  # fmt: skip
+            out = self._verify(q3, k, v, layer, fb, n_tok, ends, save_kv_cache)
         elif _extends_a_prefix(layer, fb):  # seq_lens include the extended tokens
             new = list(fb.extend_seq_lens_cpu)
             ends = fb.seq_lens_cpu.tolist()
@@ -121,6 +130,29 @@ class VeriCacheAttnBackend(TorchNativeAttnBackend):
         if self.capture is not None and new is not None:
             self.capture.record(layer.layer_id, q3, list(new))
         return out
+
+    def _verify(self, q3, k, v, layer: RadixAttention, fb: ForwardBatch, n: int,
+                ends: list[int], save_kv_cache: bool):  # fmt: skip
+        """Each row's ``n`` verify queries over its full KV [0, end): one kernel call for the
+        layer where the kernel takes it, else ``_attend_new_tokens``. q3: [B * n, H_q, D];
+        returns [B * n, H_q * D_v]."""
+        kernel = self.verify_kernel
+        if kernel is None or layer.qk_head_dim != layer.v_head_dim:
+            return self._attend_new_tokens(q3, k, v, layer, fb, [n] * len(ends), ends,
+                                           save_kv_cache, shared_masks=True)  # fmt: skip
+        self._write_kv(layer, fb, k, v, save_kv_cache)
+        rows = fb.req_pool_indices.tolist()
+        kv = [self._full_kv(layer.layer_id, row, end) for row, end in zip(rows, ends)]
+        keys, values = [kv_k for kv_k, _ in kv], [kv_v for _, kv_v in kv]
+        q4 = q3.view(len(ends), n, layer.tp_q_head_num, layer.qk_head_dim)
+        if not kernel.accepts(q4, keys, values):
+            return self._attend_new_tokens(q3, None, None, layer, fb, [n] * len(ends), ends,
+                                           False, shared_masks=True)  # fmt: skip
+        if self.clock is not None:  # gathered rows (not read in place) live until the call ends
+            self.clock.note_transient(sum(2 * kk.numel() * kk.element_size()
+                                          for kk in keys if _copied(kk)))  # fmt: skip
+        out = kernel(q4, keys, values, layer.scaling)
+        return out.view(-1, layer.tp_q_head_num * layer.v_head_dim)
 
     def _attend_new_tokens(self, q3, k, v, layer: RadixAttention, fb: ForwardBatch,
                            new: list[int], ends: list[int], save_kv_cache: bool,

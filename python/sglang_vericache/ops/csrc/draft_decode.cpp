@@ -319,9 +319,3 @@ void draft_decode(const at::Tensor& q, const std::vector<at::Tensor>& keys,
     default: run_batch<0>(q, views, packed, out, Hkv, group, s); break;
   }
 }
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("draft_decode", &draft_decode,
-        "Batched one-query decode attention of every row over its own view: an optional packed "
-        "KIVI body, then float32 tokens, in order or through a per-row index of slots (CPU)");
-}
