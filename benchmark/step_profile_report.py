@@ -34,6 +34,14 @@ def _vs(measured: float | None, predicted: float) -> str:
     return f"{measured / predicted:.2f}x"
 
 
+def _more_args(settings: dict) -> str:
+    """The command line's other settings where they are not the defaults."""
+    defaults = {"seed": 23, "rounds": 1, "compressor": "snapkv:ratio=0.25", "draft_len": "auto",
+                "max_new_tokens": 256, "prompt_tokens": 7000}
+    return "".join(f" --{k.replace('_', '-')} {settings[k]}" for k, v in defaults.items()
+                   if k in settings and settings[k] != v)  # fmt: skip
+
+
 def markdown(report: dict) -> str:
     s = report["settings"]
     lines = [
@@ -43,7 +51,7 @@ def markdown(report: dict) -> str:
         f"{s['max_new_tokens']} new "
         f"tokens, greedy, ample budget; VeriCache `{s['compressor']}`, draft length "
         f"`{s['draft_len']}`. `python benchmark/step_profile.py --concurrency "
-        f"{' '.join(str(r['concurrency']) for r in report['runs'])}`.",
+        f"{' '.join(str(r['concurrency']) for r in report['runs'])}{_more_args(s)}`.",
         "",
     ]
     for run in report["runs"]:

@@ -56,6 +56,17 @@ def _torch_native(backend, q, layer, batch):
     return TorchNativeAttnBackend.forward_extend(backend, q, None, None, layer, batch, False)
 
 
+def _verify(batch, bases: list[int], w: int):
+    """A TARGET_VERIFY forward batch of ``w`` queries a row after ``bases`` committed tokens,
+    and its queries [len(bases) * w, H_q * D]."""
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    fb = SimpleNamespace(**{**vars(batch), "forward_mode": ForwardMode.TARGET_VERIFY,
+                            "spec_info": SimpleNamespace(draft_token_num=w),
+                            "seq_lens_cpu": torch.tensor(bases)})  # fmt: skip
+    return fb, torch.randn(len(bases) * w, H_Q * D)
+
+
 @pytest.mark.parametrize("query_block", [1024, 2])
 def test_a_prefix_extend_attends_as_torch_native_does(monkeypatch, query_block: int) -> None:
     from sglang_vericache.srt import attention
@@ -96,8 +107,6 @@ def test_a_batch_of_fresh_prompts_keeps_torch_natives_path() -> None:
 def test_a_verify_attends_causally_and_builds_each_rows_mask_once_per_forward() -> None:
     """Each row's W draft queries attend over [0, base + W) causally, as the reference does; the
     next layer of the same forward reuses the row's mask, and a new forward builds its own."""
-    from sglang.srt.model_executor.forward_batch_info import ForwardMode
-
     from sglang_vericache.compress.attend import attend
 
     backend, layer, batch, _, (kv, rows, _) = _setup()
@@ -105,10 +114,7 @@ def test_a_verify_attends_causally_and_builds_each_rows_mask_once_per_forward() 
     w = 3
     seq = [p + n for p, n in zip(PREFIX, NEW)]
     for bases in ([s - w for s in seq], [s - w - 2 for s in seq]):  # two verifies
-        fb = SimpleNamespace(**{**vars(batch), "forward_mode": ForwardMode.TARGET_VERIFY,
-                                "spec_info": SimpleNamespace(draft_token_num=w),
-                                "seq_lens_cpu": torch.tensor(bases)})  # fmt: skip
-        q = torch.randn(len(bases) * w, H_Q * D)
+        fb, q = _verify(batch, bases, w)
         first = backend.forward_extend(q, None, None, layer, fb, save_kv_cache=False)
         owner, masks = backend._verify_masks
         kept = dict(masks)
@@ -131,8 +137,6 @@ def test_a_verify_attends_causally_and_builds_each_rows_mask_once_per_forward() 
 def test_a_verify_over_a_staged_host_range_equals_one_over_the_host_buffer() -> None:
     """A device pool's verify reads a row's host range from the copy staged while the batch
     drafted (``srt/full_kv_stage.py``): the same attention as over the host buffer itself."""
-    from sglang.srt.model_executor.forward_batch_info import ForwardMode
-
     from sglang_vericache.srt.full_kv_stage import FullKVStager
     from sglang_vericache.srt.offloader import PoolOffloader
 
@@ -141,10 +145,7 @@ def test_a_verify_over_a_staged_host_range_equals_one_over_the_host_buffer() -> 
     off.offload(0, owned_from=0, committed=36, compressed_bytes=0, min_tokens=1)
     w = 3
     bases = [p + n - w for p, n in zip(PREFIX, NEW)]
-    fb = SimpleNamespace(**{**vars(batch), "forward_mode": ForwardMode.TARGET_VERIFY,
-                            "spec_info": SimpleNamespace(draft_token_num=w),
-                            "seq_lens_cpu": torch.tensor(bases)})  # fmt: skip
-    q = torch.randn(len(bases) * w, H_Q * D)
+    fb, q = _verify(batch, bases, w)
     want = backend.forward_extend(q, None, None, layer, fb, save_kv_cache=False)
     stager = FullKVStager(off.ledger, "cpu", budget_bytes=1 << 20)
     assert stager.stage([0, 1]) == off.ledger.span(0).host.nbytes  # row 1 is all in the pool
@@ -157,18 +158,13 @@ def test_a_verify_over_a_staged_host_range_equals_one_over_the_host_buffer() -> 
 def test_a_verify_on_the_cpu_kernel_attends_as_the_sdpa_loop_does() -> None:
     """One kernel call per layer for every row (``ops/cpu_verify_decode.py``), a row's prefix
     offloaded to its host buffer or not: the SDPA loop's attention within float32 rounding."""
-    from sglang.srt.model_executor.forward_batch_info import ForwardMode
-
     from sglang_vericache.srt.offloader import PoolOffloader
 
     backend, layer, batch, _, (kv, rows, alloc) = _setup()
     assert backend.verify_kernel is not None, "the CPU attention kernels did not build"
     w = 4
     bases = [p + n - w for p, n in zip(PREFIX, NEW)]
-    fb = SimpleNamespace(**{**vars(batch), "forward_mode": ForwardMode.TARGET_VERIFY,
-                            "spec_info": SimpleNamespace(draft_token_num=w),
-                            "seq_lens_cpu": torch.tensor(bases)})  # fmt: skip
-    q = torch.randn(len(bases) * w, H_Q * D)
+    fb, q = _verify(batch, bases, w)
     kernel = backend.forward_extend(q, None, None, layer, fb, save_kv_cache=False)
     assert backend._verify_masks == (None, {})  # no mask built: the kernel ran
     PoolOffloader(kv, rows, alloc, 1).offload(0, owned_from=0, committed=30, compressed_bytes=0,

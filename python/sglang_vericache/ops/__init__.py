@@ -7,8 +7,11 @@
 - triton/            the Triton kernels (imported lazily; Triton is optional on CPU)
 - dropped_decode.py  drafting over kept-token pages (a pool's draft rows): FlashInfer on CUDA,
                      checked against its torch reference
-- prefetch.py        FullKVPrefetcher: async pinned host -> device full-KV copies (submit/poll)
-- cpu_draft_decode.py  batched draft attention on CPU (C++ in csrc/, built on first use)
+- prefetch.py        FullKVPrefetcher: async pinned host -> device full-KV copies (submit/poll),
+                     device_copy_pairs: a strided host view in a few contiguous copies
+- cpu_kernels.py     the CPU attention kernels' build (C++ in csrc/, built on first use)
+- cpu_draft_decode.py  batched draft attention on CPU
+- cpu_verify_decode.py batched verify attention on CPU
 """
 
 from sglang_vericache.ops.dropped_decode import (

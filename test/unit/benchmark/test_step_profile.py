@@ -80,6 +80,9 @@ def test_summary_compares_every_system_with_plain_and_offload_only(tmp_path: Pat
               "runs": [out]}  # fmt: skip
     text = markdown(report)
     assert "| vericache | 18.0 | 1.8x | 1.5x |" in text and "1/2" in text
+    # the command line repeats what differs from the defaults, so the table can be rerun
+    assert ("`python benchmark/step_profile.py --concurrency 2 --seed 1 --max-new-tokens 8 "
+            "--prompt-tokens 1000`") in text  # fmt: skip
     plot(report, tmp_path / "p.png")
     assert (tmp_path / "p.png").stat().st_size > 0
 
