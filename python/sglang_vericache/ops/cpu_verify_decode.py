@@ -12,9 +12,10 @@ vectorized exp within 2 ulp of ``std::exp``)::
     q, out               [B, n, H_q, D] float32, contiguous (row b's query i at T_b - n + i)
     keys[b], values[b]   [H_kv, T_b, D] float32, strides [*, *, 1]: the host buffer in place
 
-Measured on 2 AVX2 cores, 6 queries a row over 6.3k keys (SmolLM2's 9/3 heads, D 64): 1.06 ms
-a row and layer at 8 rows against 1.75 ms for the SDPA loop; 0.85 against 1.35 ms at one row
-(its keys in chunks); 0.31 against 0.56 ms at 2k keys.
+Measured on 2 AVX2 cores, 6 queries a row over 6.3k keys (SmolLM2's 9/3 heads, D 64): 1.00 ms
+a row and layer at 8 rows against 1.56 ms for the SDPA loop; 0.97 against 1.21 ms at one row
+(its keys in chunks); 0.29 against 0.46 ms at 8 rows of 2k keys
+(``benchmark/verify_attention.py``).
 
 The verify decides every committed token, so its numerics are the output's: float32 throughout,
 as SDPA's, with a different summation order (outputs within ~3e-7 of SDPA's here, the size of

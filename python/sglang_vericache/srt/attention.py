@@ -21,7 +21,7 @@ Three forward kinds reach it (``AttentionBackend.forward`` dispatches DECODE to
 - TARGET_VERIFY: the draft is checked against the full KV with the same masked attention, D
   queries per request over [0, base + D): O(D * L) (stock torch_native's extend would take 16 s
   for one verify at 8k). On a CPU with float32 KV every row of a layer attends in one call of
-  the verify kernel (``ops/cpu_verify_decode.py``: 1.65x torch's SDPA loop at 8 rows x 6.3k),
+  the verify kernel (``ops/cpu_verify_decode.py``: 1.56x torch's SDPA loop at 8 rows x 6.3k),
   reading each row's full KV where the ledger finds it.
 
 The full KV of a request is read through the offload ledger (``srt/offload.py``): positions the
