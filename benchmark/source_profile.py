@@ -56,7 +56,7 @@ PHASES = [
 COMPONENTS = [
     ("full-KV read", ("OffloadLedger.read", "OffloadLedger.read_range", "read_pool_kv")),
     ("attention (SDPA)", ("DraftPlan.attend", "grouped_sdpa", "VeriCacheAttnBackend.forward_decode",
-                          "TorchNativeAttnBackend.forward_decode")),
+                          "TorchNativeAttnBackend.forward_decode", "CpuVerifyDecode.__call__")),
     ("LM head", ("LogitsProcessor._compute_lm_head",)),
     ("linear layers", ("UnquantizedLinearMethod.apply", "ShadowLinearMethod.apply")),
     ("other model ops", ("LlamaForCausalLM.forward",)),
