@@ -109,17 +109,29 @@ def write(rows: list[dict], out: Path) -> None:
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+def case_args(doc: str, tokens: list[int], out: str) -> argparse.ArgumentParser:
+    """The arguments of a kernel benchmark at one layer: batches, contexts, repeats, output
+    (this one's and ``verify_attention.py``'s)."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
-    ap.add_argument("--tokens", type=int, nargs="+", default=[1536, 6336])
-    ap.add_argument("--bits", type=int, nargs="+", default=[4])
+    ap.add_argument("--tokens", type=int, nargs="+", default=tokens)
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--out", type=Path, default=REPO / "benchmark/results/draft_attention")
-    args = ap.parse_args()
-    kernel = load_cpu_draft_decode()
+    ap.add_argument("--out", type=Path, default=REPO / "benchmark/results" / out)
+    return ap
+
+
+def built(kernel):
+    """``kernel``, or an exit where the CPU attention kernels did not build."""
     if kernel is None:
-        sys.exit("the CPU draft-attention kernel did not build (see the log above)")
+        sys.exit("the CPU attention kernels did not build (see the log above)")
+    return kernel
+
+
+def main() -> None:
+    ap = case_args(__doc__, [1536, 6336], "draft_attention")
+    ap.add_argument("--bits", type=int, nargs="+", default=[4])
+    args = ap.parse_args()
+    kernel = built(load_cpu_draft_decode())
     cases = [(b, t, bits) for b in args.batch for t in args.tokens for bits in args.bits]
     rows = [measure(kernel, b, t, bits, args.repeats) for b, t, bits in tqdm(cases, desc="cases")]
     write(rows, args.out)

@@ -21,10 +21,8 @@ Writes OUT.{json,md}; default OUT benchmark/results/verify_attention.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -32,22 +30,14 @@ from tqdm import tqdm
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "python"))
+sys.path.insert(0, str(REPO / "benchmark"))
+
+from draft_attention import best_ms, built, case_args  # noqa: E402
 
 from sglang_vericache.compress.attend import group_mask, grouped_sdpa  # noqa: E402
 from sglang_vericache.ops.cpu_verify_decode import load_cpu_verify_decode  # noqa: E402
 
 H_Q, H_KV, D, ROOM = 9, 3, 64, 300  # ROOM: the host buffer's free columns after the row
-
-
-def best_ms(run, repeats: int) -> float:
-    run()  # warm-up
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        for _ in range(10):
-            run()
-        times.append((time.perf_counter() - started) / 10)
-    return 1e3 * min(times)
 
 
 def measure(kernel, batch: int, tokens: int, queries: int, repeats: int) -> dict:
@@ -91,16 +81,10 @@ def write(rows: list[dict], out: Path) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
-    ap.add_argument("--tokens", type=int, nargs="+", default=[2000, 6336])
+    ap = case_args(__doc__, [2000, 6336], "verify_attention")
     ap.add_argument("--queries", type=int, nargs="+", default=[6])
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--out", type=Path, default=REPO / "benchmark/results/verify_attention")
     args = ap.parse_args()
-    kernel = load_cpu_verify_decode()
-    if kernel is None:
-        sys.exit("the CPU attention kernels did not build (see the log above)")
+    kernel = built(load_cpu_verify_decode())
     cases = [(b, t, n) for b in args.batch for t in args.tokens for n in args.queries]
     rows = []
     for batch, tokens, queries in tqdm(cases, desc="verify attention"):
