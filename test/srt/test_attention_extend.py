@@ -17,7 +17,7 @@ H_Q, H_KV, D, SLOTS, ROWS, MAX_LEN = 4, 2, 8, 256, 4, 128
 PREFIX, NEW = (37, 0), (5, 9)  # row 0 extends a 37-token prefix by 5, row 1 is a fresh prompt
 
 
-def _setup():
+def _setup(dtype: torch.dtype = torch.float32):
     from sglang.srt.layers.radix_attention import AttentionType
     from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
@@ -26,11 +26,11 @@ def _setup():
     from sglang_vericache.srt.attention import VeriCacheAttnBackend
 
     torch.manual_seed(0)
-    kv = MHATokenToKVPool(SLOTS, 1, torch.float32, H_KV, D, 1, "cpu", False)
+    kv = MHATokenToKVPool(SLOTS, 1, dtype, H_KV, D, 1, "cpu", False)
     kv.get_key_buffer(0).copy_(torch.randn_like(kv.get_key_buffer(0)))
     kv.get_value_buffer(0).copy_(torch.randn_like(kv.get_value_buffer(0)))
     rows = ReqToTokenPool(ROWS, MAX_LEN, "cpu", False)
-    alloc = TokenToKVPoolAllocator(SLOTS, torch.float32, "cpu", kv, False)
+    alloc = TokenToKVPoolAllocator(SLOTS, dtype, "cpu", kv, False)
     seq = [p + n for p, n in zip(PREFIX, NEW)]
     for row, n in enumerate(seq):  # every position's KV is already in the pool
         rows.req_to_token[row, :n] = alloc.alloc(n).to(torch.int32)
@@ -174,3 +174,11 @@ def test_a_verify_on_the_cpu_kernel_attends_as_the_sdpa_loop_does() -> None:
     sdpa = backend.forward_extend(q, None, None, layer, fb, save_kv_cache=False)
     torch.testing.assert_close(kernel, sdpa, rtol=1e-5, atol=1e-6)
     assert torch.equal(offloaded, kernel)  # the same bytes, read from the host buffer
+
+
+def test_a_pool_the_kernel_cannot_read_keeps_the_sdpa_loop_without_asking_per_layer() -> None:
+    """bfloat16 KV: no kernel, decided at the first use (the rows are not read for a kernel
+    that then refuses them)."""
+    backend, *_ = _setup(torch.bfloat16)
+    assert backend.verify_kernel is None
+    assert _setup()[0].verify_kernel is not None

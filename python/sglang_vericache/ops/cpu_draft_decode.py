@@ -30,7 +30,7 @@ costs more arithmetic than the bytes it saves (``benchmark/draft_attention.py``)
 
 Drafts are proposals: the verify over the full KV decides every committed token, so this
 kernel's float32 summation order can move acceptance by a rounding, never an output. The plain
-and verify forwards keep torch's SDPA.
+forward keeps torch's SDPA; the verify has a kernel of its own (``cpu_verify_decode.py``).
 
 The kernel is part of the CPU attention build (``cpu_kernels.py``: compiled on first use, about
 30 s, then cached). Where it cannot be built (no compiler) drafting keeps the SDPA loop and says

@@ -104,9 +104,13 @@ class VeriCacheAttnBackend(TorchNativeAttnBackend):
 
     @functools.cached_property
     def verify_kernel(self) -> CpuVerifyDecode | None:
-        """The CPU verify kernel (built with the draft kernel at the worker's start), None on
-        another device or where it cannot be built: the SDPA loop serves."""
-        return load_cpu_verify_decode() if torch.device(self.device).type == "cpu" else None
+        """The CPU verify kernel (built with the draft kernel at the worker's start) where the
+        pool's KV is float32 on the CPU; else None, and the SDPA loop serves (decided once,
+        not per layer after the rows are read)."""
+        keys = self.token_to_kv_pool.get_key_buffer(0)
+        if keys.device.type != "cpu" or keys.dtype != torch.float32:
+            return None
+        return load_cpu_verify_decode()
 
     def _full_kv(self, layer_id: int, row: int, end: int):
         """Exact K/V of positions [0, end) of a row (host-offloaded ranges included)."""

@@ -53,7 +53,8 @@ struct Partial {
 #include <immintrin.h>
 
 // exp(x) for 8 floats (Cephes' expf: x = k ln2 + r, a degree-6 polynomial in r, times 2^k;
-// within 2 ulp of std::exp). Below -87.3 it returns 0: a masked logit (-inf) weighs nothing.
+// within 2 ulp of std::exp). Below -87.3 it returns 0, where std::exp underflows to 0 or a
+// denormal: a logit that far below its block's max weighs nothing.
 inline __m256 exp8(__m256 x) {
   const __m256 lo = _mm256_set1_ps(-87.3f), hi = _mm256_set1_ps(88.3f);
   const __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
