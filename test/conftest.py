@@ -35,6 +35,28 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+TRITON_KERNELS = ("sglang_vericache.ops.triton.pool_kivi_decode",)
+
+
+@pytest.fixture
+def triton_interpreted(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where there is no GPU, the package's Triton kernels run under Triton's CPU interpreter:
+    ``triton.jit`` reads TRITON_INTERPRET when it decorates, so a kernel module imported without
+    it is reloaded with it, and Triton reads it again at each launch, so it stays set for the
+    test (and only for the test: SGLang in this process must not be switched to it)."""
+    import importlib
+
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    for name in TRITON_KERNELS:
+        module = importlib.import_module(name)
+        if not module.kernel_is_interpreted():
+            importlib.reload(module)
+
+
 @pytest.fixture(scope="session")
 def default_model_path() -> Path:
     """The converted embedded model (built on first use, verified on every session)."""

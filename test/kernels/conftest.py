@@ -36,7 +36,7 @@ if not torch.cuda.is_available():
 
 
 @pytest.fixture(autouse=True)
-def _interpreter_env(monkeypatch: pytest.MonkeyPatch) -> None:
+def _interpreter_env(monkeypatch: pytest.MonkeyPatch, triton_interpreted: None) -> None:
     """Triton checks TRITON_INTERPRET again while launching interpreted kernels: keep it set for
     the duration of each kernel test only."""
     if not torch.cuda.is_available():

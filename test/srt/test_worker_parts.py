@@ -187,11 +187,11 @@ def _reference_draft_attention(q, state, pool, layer, chain):
 
 @pytest.mark.parametrize("spec", ["snapkv:ratio=0.5", "kivi:bits=4",
                                   "pyramid(snapkv:ratio=0.5):beta=2", "full"])  # fmt: skip
-@pytest.mark.parametrize("batched", ["sdpa", "kernel", "paged"],
-                         ids=["sdpa-per-row", "cpu-kernel", "paged-decode"])  # fmt: skip
+@pytest.mark.parametrize("batched", ["sdpa", "kernel", "paged", "triton"],
+                         ids=["sdpa-per-row", "cpu-kernel", "paged-decode", "triton-pages"])  # fmt: skip
 @pytest.mark.parametrize("lodged", [False, True], ids=["own-buffers", "pool-slots"])
 def test_draft_plan_equals_attention_over_view_and_chain(pool, spec: str, batched: str,
-                                                        lodged: bool) -> None:  # fmt: skip
+                                                        lodged: bool, request) -> None:  # fmt: skip
     """Each row gets what attending over its own compressed view + draft chain gives; a row
     without a state attends over its chain only. The batched CPU kernel reads every view in
     place: a buffer of its own (the chain written after the view leaves the view as it was), or
@@ -199,17 +199,24 @@ def test_draft_plan_equals_attention_over_view_and_chain(pool, spec: str, batche
     copies a quantized body dequantized, and a lodged view gathered from its slots. A paged
     decoder (a GPU's FlashInfer; here its torch reference behind the same plan/run) reads a
     batch whose every view is in pool slots without a packed body as pages of one token,
-    planned once per draft forward (per layer where a pyramid's layers differ); any other batch
-    takes the SDPA path."""
+    planned once per draft forward (per layer where a pyramid's layers differ); Triton's pool
+    decoder (a GPU's; here under Triton's interpreter) reads such a batch with its KIVI bodies
+    in their pages, planned the same way; any other batch takes the SDPA path."""
     from sglang_vericache.ops.cpu_draft_decode import load_cpu_draft_decode
     from sglang_vericache.ops.dropped_decode import TorchDroppedKVDecoder
+    from sglang_vericache.ops.pool_kivi_decode import PoolKiviDecode
     from sglang_vericache.srt.draft_attention import DraftPlan
 
-    class Counted(TorchDroppedKVDecoder):
-        plans = 0
+    plans = []
 
+    class Counted(TorchDroppedKVDecoder):
         def plan(self, *args, **kw) -> None:
-            Counted.plans += 1
+            plans.append("paged")
+            super().plan(*args, **kw)
+
+    class CountedTriton(PoolKiviDecode):
+        def plan(self, *args, **kw) -> None:
+            plans.append("triton")
             super().plan(*args, **kw)
 
     from sglang_vericache.srt.draft_state import RequestDraftState
@@ -228,7 +235,12 @@ def test_draft_plan_equals_attention_over_view_and_chain(pool, spec: str, batche
     kernel = load_cpu_draft_decode() if batched == "kernel" else None
     assert kernel is not None or batched != "kernel", "the CPU draft-attention kernel did not build"
     paged = Counted() if batched == "paged" else None
-    plan = DraftPlan([T + 3, T // 2 + 3, 5], states, drafts=3, kernel=kernel, paged=paged)
+    pool_kivi = None
+    if batched == "triton":
+        request.getfixturevalue("triton_interpreted")
+        pool_kivi = CountedTriton(torch.device("cpu"))
+    plan = DraftPlan([T + 3, T // 2 + 3, 5], states, drafts=3, kernel=kernel, paged=paged,
+                     pool_kivi=pool_kivi)  # fmt: skip
     q = torch.randn(3, H_Q, D)
     for n_chain in (1, 2, 3):  # the chain grows by one per draft forward
         chains = [torch.arange(150 + 10 * i, 150 + 10 * i + n_chain) for i in range(3)]
@@ -241,12 +253,13 @@ def test_draft_plan_equals_attention_over_view_and_chain(pool, spec: str, batche
         state.check_integrity()
         assert all(torch.equal(k, v[0]) for k, v in zip(keys, state.views()))
     read_paged = batched == "paged" and lodged and not spec.startswith("kivi")
-    if read_paged:  # once per forward, and again at each layer whose views differ (a pyramid)
+    read_pages = batched == "triton" and lodged  # bodies included
+    if read_paged or read_pages:  # once per forward, again at each layer whose views differ
         lens = [tuple(s.layers[layer].float_len for s in states[:2]) for layer in range(LAYERS)]
-        assert Counted.plans == 3 * (1 + sum(a != b for a, b in zip(lens, lens[1:])))
+        assert plans == [batched] * 3 * (1 + sum(a != b for a, b in zip(lens, lens[1:])))
     else:
-        assert Counted.plans == 0
-    if batched == "kernel" or read_paged:
+        assert plans == []
+    if batched == "kernel" or read_paged or read_pages:
         assert plan.transient_bytes == 0
     elif lodged or spec.startswith("kivi"):  # gathered or dequantized, one layer of the batch
         copied = sum(s.view_tokens + 3 for s in states[:2] if lodged or s.layers[0].block)

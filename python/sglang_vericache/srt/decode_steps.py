@@ -5,9 +5,9 @@ methods, the way SGLang splits its scheduler into mixins; they read the worker's
 ``book``/``states`` (per-request records), ``offloader``, ``attn``, ``target_worker``,
 ``draft_length`` (planner and cost fit), ``clock`` (the step profile), ``metrics``, ``ahead``,
 ``generator``, ``compressor``, ``precision`` (draft weights), ``draft_kernel`` / ``paged_draft``
-(batched draft attention: the CPU kernel, a GPU's paged decode), ``stager`` (a verify's full
-KV to the device while the batch drafts: ``srt/full_kv_stage.py``), ``num_layers``,
-``offload_only``, ``device`` and ``speculative_num_draft_tokens``.
+/ ``pool_kivi_draft`` (batched draft attention: the CPU kernel, a GPU's paged decodes),
+``stager`` (a verify's full KV to the device while the batch drafts: ``srt/full_kv_stage.py``),
+``num_layers``, ``offload_only``, ``device`` and ``speculative_num_draft_tokens``.
 Everything runs on the scheduler thread.
 
     _decode_step  prepare: compressed views in step, pressure offload, draft-or-plain plan
@@ -146,7 +146,8 @@ class DecodeSteps:
         for i in drafted:
             states[i] = self.states[batch.reqs[i].rid]
         plan = self.attn.draft = DraftPlan(base.tolist(), states, rows.shape[1] - 1,
-                                           self.draft_kernel, self.paged_draft)  # fmt: skip
+                                           self.draft_kernel, self.paged_draft,
+                                           self.pool_kivi_draft)  # fmt: skip
         spent = 0.0
         try:
             for j in range(rows.shape[1] - 1):

@@ -21,7 +21,9 @@ CPU with float32 views the rows of a layer attend in one call of a batched kerne
 (``ops/cpu_draft_decode.py``: one parallel region, each view read where it lies, a KIVI body
 packed). On a GPU, where every row's view is in pool slots and none has a packed body, the
 batch is one paged decode (``ops/dropped_decode.py``, FlashInfer's, pages of one token: the
-pool's buffers as they are), planned once per draft forward and run per layer::
+pool's buffers as they are), planned once per draft forward and run per layer; where rows
+have KIVI bodies in the row's pages, one Triton kernel reads them packed beside the slots
+(``ops/pool_kivi_decode.py``, the same CSR with the bodies' pages beside it)::
 
     kv_indptr        0 | n_0 | n_0 + n_1 | ...          n_i = float_len_i + chain_i
     kv_page_indices  row 0's slots, its chain | row 1's slots, its chain | ...
@@ -46,6 +48,7 @@ from torch.nn.functional import scaled_dot_product_attention
 
 from sglang_vericache.ops.cpu_draft_decode import CpuDraftDecode
 from sglang_vericache.ops.dropped_decode import DroppedKVDecoder, PagedDecodeGeometry
+from sglang_vericache.ops.pool_kivi_decode import PoolKiviDecode
 
 
 @dataclass(slots=True)
@@ -60,6 +63,8 @@ class DraftPlan:
     kernel: the batched CPU kernel (None: one SDPA call per row and layer).
     paged: a paged decoder over the pool (FlashInfer on a GPU), for batches whose every view is
         in pool slots without a packed body; None: not used.
+    pool_kivi: the Triton decoder over the pool (a GPU), for batches whose every view is in pool
+        slots, packed KIVI bodies in its pages included (FlashInfer first where none has one).
     transient_bytes: the most bytes of view + chain a forward copied at one layer, over all its
         rows (0 when every drafted row attends in place): at most one layer's view of the batch.
     """
@@ -69,9 +74,11 @@ class DraftPlan:
     drafts: int
     kernel: CpuDraftDecode | None = None
     paged: DroppedKVDecoder | None = None
+    pool_kivi: PoolKiviDecode | None = None
     view_lens: list[list[int]] = field(init=False)
     transient_bytes: int = field(default=0, init=False)
-    # (every row's float_len at a layer, every chain's length): what the paged plan was made for
+    # (decoder, every row's float_len and body pages at a layer, every chain's length): what the
+    # last plan over the pool was made for
     _planned: tuple | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
@@ -131,10 +138,15 @@ class DraftPlan:
         base_i .. seq_len_i - 1 (this step's drafts so far, the current one included).
         Returns [B, H_q, D_v].
         """
-        if self.paged is not None and q.dtype == key_buffer.dtype and self._in_pool(layer_id):
+        if self.paged is not None and q.dtype == key_buffer.dtype and self._in_pool(
+                layer_id, key_buffer, packed=False):  # fmt: skip
             self._plan_paged(layer_id, chain_slots, key_buffer, q.shape[1], scale)
             pages = (key_buffer.unsqueeze(1), value_buffer.unsqueeze(1))  # [slots, 1, H_kv, D]
             return self.paged.run(q.contiguous(), *pages)
+        if (self.pool_kivi is not None and self.pool_kivi.accepts(key_buffer, q.shape[1])
+                and self._in_pool(layer_id, key_buffer, packed=True)):  # fmt: skip
+            self._plan_pool_kivi(layer_id, chain_slots, key_buffer, q.shape[1])
+            return self.pool_kivi.run(q, key_buffer, value_buffer, scale)
         rows = [self._row_kv(i, layer_id, key_buffer, value_buffer, slots)
                 for i, slots in enumerate(chain_slots)]  # fmt: skip
         bodies, keys, values, index, copied = (list(part) for part in zip(*rows))
@@ -159,26 +171,55 @@ class DraftPlan:
         self.transient_bytes = max(self.transient_bytes, sum(copied))
         return out
 
-    def _in_pool(self, layer_id: int) -> bool:
-        """Every drafted row's view of ``layer_id`` is in pool slots, none with a packed body."""
-        return all(s is None or (s.layers[layer_id].block is None
-                                 and s.layers[layer_id].draft_slots() is not None)
-                   for s in self.states)  # fmt: skip
+    def _in_pool(self, layer_id: int, key_buffer: Tensor, packed: bool) -> bool:
+        """Every drafted row's view of ``layer_id`` is in pool slots, without a packed body, or
+        (``packed``) with one the Triton decoder reads in this layer's pages."""
+        for state in self.states:
+            cache = None if state is None else state.layers[layer_id]
+            if cache is None:
+                continue
+            if cache.draft_slots() is None:
+                return False
+            if cache.block is not None and not (
+                    packed and self.pool_kivi.accepts_body(cache.block, key_buffer)):  # fmt: skip
+                return False
+        return True
+
+    def _pool_columns(self, layer_id: int, chain_slots: Sequence[Tensor], decoder: object
+                      ) -> tuple[tuple, list[Tensor]] | None:  # fmt: skip
+        """Each row's pool slots at ``layer_id`` (its view's columns, then its chain; a row
+        riding along: its chain), or None where ``decoder``'s last plan read the same slots and
+        pages: within a forward every layer's chain is the same, and a draft row's slots and
+        pages are shared by its layers, so equal lengths mean equal slots (one plan per forward,
+        unless a pyramid compressor's layers keep different counts)."""
+        caches = [None if s is None else s.layers[layer_id] for s in self.states]
+        key = (decoder,
+               tuple(0 if c is None else c.float_len for c in caches),
+               tuple(0 if c is None or c.block is None else c.block.pages.numel() for c in caches),
+               tuple(int(c.numel()) for c in chain_slots))  # fmt: skip
+        if key == self._planned:
+            return None
+        self._planned = key
+        chains = [chain.to("cpu", torch.int64) for chain in chain_slots]
+        return [chain if c is None else torch.cat([c.draft_slots()[: c.float_len], chain])
+                for c, chain in zip(caches, chains)]  # fmt: skip
+
+    def _plan_pool_kivi(self, layer_id: int, chain_slots: Sequence[Tensor], key_buffer: Tensor,
+                        num_q_heads: int) -> None:  # fmt: skip
+        """Plan the Triton decode of ``layer_id`` (see ``_pool_columns``): row i reads its
+        body's pages, then its slots."""
+        columns = self._pool_columns(layer_id, chain_slots, self.pool_kivi)
+        if columns is not None:
+            bodies = [None if s is None else s.layers[layer_id].block for s in self.states]
+            self.pool_kivi.plan(columns, bodies, key_buffer, num_q_heads)
 
     def _plan_paged(self, layer_id: int, chain_slots: Sequence[Tensor], key_buffer: Tensor,
                     num_q_heads: int, scale: float) -> None:  # fmt: skip
-        """Plan the paged decode of ``layer_id`` unless the last plan read the same slots: within
-        a forward every layer's chain is the same, and a draft row's slots are shared by its
-        layers, so equal lengths mean equal slots (one plan per forward, unless a pyramid
-        compressor's layers keep different counts). Row i reads its view's columns, then its
-        chain (a row riding along: its chain only)."""
-        key = (tuple(0 if s is None else s.layers[layer_id].float_len for s in self.states),
-               tuple(int(c.numel()) for c in chain_slots))  # fmt: skip
-        if key == self._planned:
+        """Plan the paged decode of ``layer_id`` (see ``_pool_columns``): row i reads its
+        view's slots, then its chain, as pages of one token."""
+        index = self._pool_columns(layer_id, chain_slots, self.paged)
+        if index is None:
             return
-        chains = [chain.to("cpu", torch.int64) for chain in chain_slots]
-        index = [chain if s is None else torch.cat([s.layers[layer_id].draft_slots()[:n], chain])
-                 for s, n, chain in zip(self.states, key[0], chains)]  # fmt: skip
         lens = [int(i.numel()) for i in index]
         device = key_buffer.device
         indptr = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device=device)
@@ -187,4 +228,3 @@ class DraftPlan:
         self.paged.plan(indptr, torch.cat(index).to(device, torch.int32),
                         torch.ones(len(lens), dtype=torch.int32, device=device), geometry,
                         sm_scale=scale)  # fmt: skip
-        self._planned = key

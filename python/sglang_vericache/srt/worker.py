@@ -51,6 +51,7 @@ from sglang_vericache.compress import build_compressor
 from sglang_vericache.config import Placement
 from sglang_vericache.ops.cpu_draft_decode import load_cpu_draft_decode
 from sglang_vericache.ops.dropped_decode import PagedDecodeGeometry, paged_draft_decoder
+from sglang_vericache.ops.pool_kivi_decode import pool_kivi_decoder
 from sglang_vericache.srt.attention import QueryCapture, VeriCacheAttnBackend
 from sglang_vericache.srt.batch_inputs import (
     spec_result,
@@ -115,14 +116,17 @@ class VeriCacheWorker(DecodeSteps, BaseSpecWorker):
         self.precision = self._draft_precision()
         # one batched attention call per layer of a draft forward (built here, not mid-step),
         # only where it can serve: drafts on a CPU over float32 views (the KV dtype); on a GPU,
-        # FlashInfer's paged decode over the draft rows (checked against its reference here)
-        self.draft_kernel, self.paged_draft = None, None
+        # FlashInfer's paged decode over the draft rows, Triton's where rows have packed KIVI
+        # bodies in their pages (each checked against its reference here)
+        self.draft_kernel, self.paged_draft, self.pool_kivi_draft = None, None, None
         device = torch.device(self.device)
         if (not self.offload_only and device.type == "cpu"
                 and self.model_runner.kv_cache_dtype == torch.float32):  # fmt: skip
             self.draft_kernel = load_cpu_draft_decode()
         elif not self.offload_only:
-            self.paged_draft = paged_draft_decoder(device, self._draft_geometry(server_args))
+            geometry = self._draft_geometry(server_args)
+            self.paged_draft = paged_draft_decoder(device, geometry)
+            self.pool_kivi_draft = pool_kivi_decoder(device, geometry)
         logger.info(
             "VeriCache worker: compressor %s, verify width %d, draft weights in %s, draft "
             "attention %s",
@@ -130,8 +134,10 @@ class VeriCacheWorker(DecodeSteps, BaseSpecWorker):
             "the model's dtype" if self.precision is None else (
                 f"{self.precision.format} ({self.precision.layers} layers shadowed, "
                 f"{self.precision.nbytes / 2**20:.0f} MiB)"),
-            "batched (CPU kernel)" if self.draft_kernel is not None else
-            "paged (FlashInfer)" if self.paged_draft is not None else "per row (SDPA)",
+            "batched (CPU kernel)" if self.draft_kernel is not None else " + ".join(
+                name for name, on in (("paged (FlashInfer)", self.paged_draft),
+                                      ("packed pages (Triton)", self.pool_kivi_draft)) if on
+            ) or "per row (SDPA)",
         )  # fmt: skip
 
     def _draft_geometry(self, server_args: Any) -> PagedDecodeGeometry:
