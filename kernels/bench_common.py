@@ -1,4 +1,4 @@
-"""Shared pieces of the kernel microbenchmarks: timing, copy bandwidth, random paged inputs.
+"""Shared pieces of the kernel microbenchmarks: timing, copy bandwidth, random draft rows.
 
 Needs only torch (+ triton for the kernels) and the package (installed, or ``PYTHONPATH=python``);
 never imports sglang.
@@ -16,20 +16,17 @@ from pathlib import Path
 
 import torch
 
-from sglang_vericache.ops.layout import (
-    QuantPagedBatch,
-    QuantPagedKVCache,
-    RecentWindowKV,
-    codes_per_byte,
-)
-from sglang_vericache.ops.quant_pack import PagedQuantBatchInputs
+from sglang_vericache.compress.kivi import Kivi
+from sglang_vericache.compress.kivi_pages import KiviPageLayout, PagedKiviBlock
 
 GIB = 1 << 30
 
 
 @dataclass(frozen=True, slots=True)
 class DecodeShape:
-    """One benchmark shape: batch x context with a GQA head layout."""
+    """One benchmark shape: batch x context with a GQA head layout; each row's context is whole
+    key groups (``group`` tokens each) of a KIVI body, then its ``recent_window`` or more tokens
+    in full precision."""
 
     name: str
     batch: int
@@ -37,17 +34,17 @@ class DecodeShape:
     num_q_heads: int
     num_kv_heads: int
     head_dim: int
-    page_size: int = 32
+    group: int = 32
     recent_window: int = 128
 
     @property
-    def quantized_pages(self) -> int:
-        """Whole pages older than the recent window, per request."""
-        return (self.context - self.recent_window) // self.page_size
+    def key_groups(self) -> int:
+        """Whole key groups older than the recent window, per request."""
+        return (self.context - self.recent_window) // self.group
 
     @property
     def window_tokens(self) -> int:
-        return self.context - self.quantized_pages * self.page_size
+        return self.context - self.key_groups * self.group
 
 
 def time_ms(fn: Callable[[], object], device: torch.device, iters: int = 20, repeats: int = 5,
@@ -100,52 +97,58 @@ def measure_copy_bandwidth(device: torch.device, nbytes: int = 2 * GIB) -> dict[
     }
 
 
-def random_quant_inputs(shape: DecodeShape, bits: int, dtype: torch.dtype,
-                        device: torch.device, seed: int = 0) -> PagedQuantBatchInputs:
-    """Random packed codes and scales in the paged layout (pages shuffled across the pool)."""
+@dataclass(slots=True)
+class PoolKiviInputs:
+    """A layer's pool with ``batch`` draft rows (``ops/pool_kivi_decode.py``): each row's oldest
+    tokens a KIVI body in pages of pool slots, its newest ``recent_window`` tokens float slots."""
+
+    q: torch.Tensor  # [B, H_q, D]
+    key_buffer: torch.Tensor  # [S, H_kv, D]
+    value_buffer: torch.Tensor
+    columns: list[torch.Tensor]  # [window] int64 slots per row
+    bodies: list[PagedKiviBlock]
+
+
+def pool_kivi_inputs(shape: DecodeShape, bits: int, dtype: torch.dtype, device: torch.device,
+                     seed: int = 0) -> PoolKiviInputs:  # fmt: skip
+    """Random KV quantized as the compressor does (``Kivi``), written to shuffled pool pages; the
+    window's slots shuffled too, as a pool's free list hands them out."""
     gen = torch.Generator(device=device).manual_seed(seed)
-    pages = shape.batch * shape.quantized_pages
-    heads, dim, page = shape.num_kv_heads, shape.head_dim, shape.page_size
-    width = dim // codes_per_byte(bits)
+    heads, dim, group = shape.num_kv_heads, shape.head_dim, shape.group
+    tokens = shape.key_groups * group
+    layout = KiviPageLayout(heads, dim, bits, group, dtype)
+    slots = 1 + shape.batch * (layout.pages_for(tokens) + shape.window_tokens)
+    key_buffer, value_buffer = (torch.randn(slots, heads, dim, device=device,
+                                            generator=gen).to(dtype) for _ in "kv")  # fmt: skip
+    order = (torch.randperm(slots - 1, device=device, generator=gen) + 1).cpu()
+    taken = 0
 
-    def codes(*size: int) -> torch.Tensor:
-        return torch.randint(0, 256, size, dtype=torch.uint8, device=device, generator=gen)
+    def take(n: int) -> torch.Tensor:
+        nonlocal taken
+        taken += n
+        return order[taken - n : taken]
 
-    def scale(*size: int) -> torch.Tensor:
-        return (torch.rand(*size, device=device, generator=gen) * 0.1 + 0.01).to(dtype)
-
-    def zero(*size: int) -> torch.Tensor:
-        return (torch.randn(*size, device=device, generator=gen) * 0.5).to(dtype)
-
-    cache = QuantPagedKVCache(codes(pages, heads, page, width), scale(pages, heads, dim),
-                              zero(pages, heads, dim), codes(pages, heads, width, page),
-                              scale(pages, heads, page), zero(pages, heads, page), bits)
-    window = RecentWindowKV(
-        torch.randn(shape.batch, heads, shape.window_tokens, dim, device=device,
-                    generator=gen).to(dtype),
-        torch.randn(shape.batch, heads, shape.window_tokens, dim, device=device,
-                    generator=gen).to(dtype),
-    )
-    order = torch.randperm(pages, device=device, generator=gen).to(torch.int32)
-    i32 = {"dtype": torch.int32, "device": device}
-    meta = QuantPagedBatch(
-        kv_indptr=torch.arange(shape.batch + 1, **i32) * shape.quantized_pages,
-        kv_page_indices=order,
-        kv_last_page_len=torch.full((shape.batch,), page, **i32),
-        window_slot=torch.arange(shape.batch, **i32),
-        window_len=torch.full((shape.batch,), shape.window_tokens, **i32),
-    )
-    return PagedQuantBatchInputs(cache, window, meta)
+    bodies, columns = [], []
+    for _ in range(shape.batch):
+        keys, values = (torch.randn(heads, tokens, dim, device=device, generator=gen).to(dtype)
+                        for _ in "kv")  # fmt: skip
+        block = Kivi(bits=bits, group=group).quantize(keys, values)
+        bodies.append(PagedKiviBlock.write(block, key_buffer, value_buffer,
+                                           take(layout.pages_for(tokens))))  # fmt: skip
+        columns.append(take(shape.window_tokens))
+    q = torch.randn(shape.batch, shape.num_q_heads, dim, device=device, generator=gen).to(dtype)
+    return PoolKiviInputs(q, key_buffer, value_buffer, columns, bodies)
 
 
-def decode_bytes_read(shape: DecodeShape, bits: int, dtype: torch.dtype) -> int:
-    """Bytes one decode over the whole batch must read (packed codes, scales, window, q, out)."""
+def pool_kivi_bytes_read(shape: DecodeShape, bits: int, dtype: torch.dtype) -> int:
+    """Bytes one decode over the whole batch must read: packed codes and their scales and zeros
+    (a key group's per channel, a value's per token), the window's slots, q and the output."""
     item = torch.finfo(dtype).bits // 8
-    heads, dim, page = shape.num_kv_heads, shape.head_dim, shape.page_size
-    per_page = heads * (2 * page * dim * bits // 8 + 2 * dim * item + 2 * page * item)
+    heads, dim, group = shape.num_kv_heads, shape.head_dim, shape.group
+    per_group = heads * (2 * group * dim * bits // 8 + 2 * dim * item + 2 * group * item)
     window = heads * shape.window_tokens * dim * 2 * item
     io = 2 * shape.num_q_heads * dim * item
-    return shape.batch * (shape.quantized_pages * (per_page + 4) + window + io)
+    return shape.batch * (shape.key_groups * per_group + window + io)
 
 
 def dense_kv_bytes(shape: DecodeShape, dtype: torch.dtype) -> int:

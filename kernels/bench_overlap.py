@@ -1,7 +1,7 @@
 """Drafting under a concurrent full-KV copy, measured from device timestamps.
 
-A draft step is `layers` runs of the int4 quantized decode kernel (batch 32 x 8k, GQA 32/8,
-D=128) on a dedicated non-default stream. The copy is the next verification's full KV, moved by
+A draft step is `layers` runs of the Triton draft decode over int4 KIVI bodies in pool pages
+(``ops/pool_kivi_decode.py``; batch 32 x 8k, GQA 32/8, D=128) on a dedicated non-default stream. The copy is the next verification's full KV, moved by
 FullKVPrefetcher (its own non-blocking side stream, pinned host memory allocated and touched
 before timing, ordered after an event instead of the drafting stream) in chunks that are kept
 `--depth` deep on the side stream and resubmitted from poll() until the last draft step has
@@ -30,21 +30,16 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from bench_common import DecodeShape, bench_device, device_info, random_quant_inputs, write_json
+from bench_common import DecodeShape, bench_device, device_info, pool_kivi_inputs, write_json
 from overlap_stats import analyse_overlap
 
+from sglang_vericache.ops.pool_kivi_decode import PoolKiviDecode
 from sglang_vericache.ops.prefetch import FullKVPrefetcher
-from sglang_vericache.ops.quant_decode import (
-    DecodeBackend,
-    QuantDecodeLaunch,
-    QuantDecodeWorkspace,
-    QuantPagedDecodeWrapper,
-)
 
 SHAPE = DecodeShape("gqa4_h8_d128_b32x8k", batch=32, context=8192, num_q_heads=32,
                     num_kv_heads=8, head_dim=128)
 SMOKE_SHAPE = DecodeShape("smoke", batch=2, context=100, num_q_heads=4, num_kv_heads=2,
-                          head_dim=32, page_size=16, recent_window=8)
+                          head_dim=32, group=16, recent_window=8)
 MIN_OVERLAP = 0.8  # below this the copy did not run alongside drafting: the check FAILS
 # A copy "busy" from its start event to its end event but moving bytes far slower than alone was
 # mostly waiting (e.g. behind kernels in one hardware queue): that is not overlap either.
@@ -188,22 +183,6 @@ def stream_flags(stream: torch.cuda.Stream) -> int | None:
         return None
 
 
-def _launch(args: argparse.Namespace, shape: DecodeShape) -> QuantDecodeLaunch:
-    """The fastest correct int4 bf16 config the bandwidth bench found, else the defaults."""
-    launch = QuantDecodeLaunch(DecodeBackend.TRITON, num_splits=args.splits or None)
-    if not args.config_from or not Path(args.config_from).exists():
-        return launch
-    for res in json.loads(Path(args.config_from).read_text()).get("results", []):
-        best = res.get("best")
-        if best and res["shape"]["name"] == shape.name and res["bits"] == 4 \
-                and res["dtype"] == "torch.bfloat16":
-            knobs = best.get("launch") or {"num_warps": best["warps"],
-                                           "num_stages": best["stages"],
-                                           "fast_unpack": best["fast_unpack"]}
-            return QuantDecodeLaunch(DecodeBackend.TRITON, num_splits=best["splits"], **knobs)
-    return launch
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", default="gpu_out/overlap.json")
@@ -211,9 +190,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--chunk-mib", type=int, default=128, help="bytes per copy task")
     parser.add_argument("--depth", type=int, default=3, help="copy tasks kept in flight")
-    parser.add_argument("--splits", type=int, default=0, help="0: auto")
-    parser.add_argument("--config-from", default=None,
-                        help="quant_decode.json: use its best int4 bf16 config for this shape")
+    parser.add_argument("--splits", type=int, default=0, help="0: the plan's own")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes (CPU ok), no timings")
     args = parser.parse_args()
     device = bench_device(args.smoke)
@@ -223,21 +200,15 @@ def main() -> None:
     if args.smoke:
         args.layers, args.steps = 1, 3
 
-    inp = random_quant_inputs(shape, 4, torch.bfloat16, device)
-    q = torch.randn(shape.batch, shape.num_q_heads, shape.head_dim, device=device).bfloat16()
-    out = torch.empty_like(q)
-    ws = QuantDecodeWorkspace.allocate(max_batch=shape.batch, num_q_heads=shape.num_q_heads,
-                                       head_dim=shape.head_dim, max_splits=64,
-                                       max_pages=inp.batch.kv_page_indices.numel(), device=device)
-    launch = _launch(args, shape)
-    wrapper = QuantPagedDecodeWrapper(ws, launch)
-    wrapper.plan(inp.batch, inp.cache, inp.window, num_q_heads=shape.num_q_heads)
+    inp = pool_kivi_inputs(shape, 4, torch.bfloat16 if cuda else torch.float32, device)
+    decoder = PoolKiviDecode(device)
+    decoder.plan(inp.columns, inp.bodies, inp.key_buffer, shape.num_q_heads, args.splits or None)
     if cuda:  # plan() staged the metadata on the default stream; drafting runs on another
         torch.cuda.synchronize(device)
 
     def step() -> None:
         for _ in range(args.layers):
-            wrapper.run(q, inp.cache, inp.window, out=out)
+            decoder.run(inp.q, inp.key_buffer, inp.value_buffer, shape.head_dim**-0.5)
 
     # Pinned source and destination exist, and have been touched and copied once, before any
     # timed window; the prefetcher's stream and events are created up front too.
@@ -278,7 +249,7 @@ def main() -> None:
                                                              or h2d_share >= MIN_H2D_SHARE)
     result = {
         "device": device_info(), "shape": shape, "layers_per_step": args.layers,
-        "steps": args.steps, "kernel_splits": wrapper.num_splits, "kernel_launch": launch,
+        "steps": args.steps, "kernel_splits": decoder.plan_.splits,
         "copy_design": (f"{chunk // MIB if chunk >= MIB else chunk / MIB:g} MiB pinned H2D "
                         f"chunks kept {args.depth} deep on the prefetcher's non-blocking side "
                         "stream, ordered after an event (not the drafting stream), resubmitted "

@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # GPU check for the ops/ kernels (issue 7), one run on a CUDA machine that has torch + triton.
 # Needs nothing else: step 1 imports only sglang_vericache.ops (no sglang) from this working tree.
-#   1. kernel-vs-reference tests on the GPU (pytest if present, else kernels/selfcheck.py), and
-#      the srt glue's GPU tests where SGLang is installed
-#   2. bandwidth of the quantized decode kernel vs measured copy bandwidth (B=32 x 8k)
+#   1. kernel-vs-reference tests on the GPU (pytest), and the srt glue's GPU tests where SGLang
+#      is installed
+#   2. the Triton draft decode over KIVI pool pages: bandwidth vs measured copy bandwidth and
+#      speed vs the per-row fallback (B=32 x 8k)
 #   3. draft step time alone vs with a concurrent pinned H2D full-KV copy on a side stream
 # Writes JSON (and the log) to $OUT (default ./gpu_out); ends with one SUMMARY line.
-# Budget: about 4 minutes (tests ~40 s, bandwidth sweep ~130 s, overlap ~15 s, or twice that when
+# Budget: about 4 minutes (tests ~60 s, decode bench ~60 s, overlap ~15 s, or twice that when
 # CUDA_DEVICE_MAX_CONNECTIONS / CUDA_LAUNCH_BLOCKING are set); every step has a hard timeout.
 # Usage: bash scripts/gpu_check.sh        (env: OUT, PYTHON)
 set -u
@@ -54,8 +55,8 @@ if "$PY" -c "import pytest" 2>/dev/null; then
   step kernel_tests 150 "$PY" -m pytest test/kernels -q -p no:cacheprovider -rs ${XDIST[@]+"${XDIST[@]}"} \
     --junitxml="$OUT/kernel_tests.xml"
 else
-  log "pytest not found: falling back to kernels/selfcheck.py"
-  step kernel_tests 150 "$PY" kernels/selfcheck.py --out "$OUT/selfcheck.json"
+  log "pytest not found: the decode bench below still checks the kernel against its reference"
+  echo "kernel_tests skipped" >> "$OUT/steps.txt"
 fi
 
 # The GPU tests of the serving glue (staging a verify's full KV: srt/full_kv_stage.py) need SGLang
@@ -66,14 +67,12 @@ else
   log "sglang not importable: skipping the srt GPU tests"
 fi
 
-step quant_decode_bench 220 "$PY" kernels/bench_quant_decode.py --out "$OUT/quant_decode.json" \
-  --budget-s 12 --key-budget-s 60
-step overlap_bench 90 "$PY" kernels/bench_overlap.py --out "$OUT/overlap.json" \
-  --config-from "$OUT/quant_decode.json"
+step pool_kivi_decode_bench 150 "$PY" kernels/bench_pool_kivi_decode.py \
+  --out "$OUT/pool_kivi_decode.json"
+step overlap_bench 90 "$PY" kernels/bench_overlap.py --out "$OUT/overlap.json"
 if [ -n "${CUDA_DEVICE_MAX_CONNECTIONS:-}${CUDA_LAUNCH_BLOCKING:-}" ]; then
   step overlap_env_unset 90 env -u CUDA_DEVICE_MAX_CONNECTIONS -u CUDA_LAUNCH_BLOCKING \
-    "$PY" kernels/bench_overlap.py --out "$OUT/overlap_env_unset.json" \
-    --config-from "$OUT/quant_decode.json"
+    "$PY" kernels/bench_overlap.py --out "$OUT/overlap_env_unset.json"
 fi
 
 log "done in $(( $(date +%s) - START ))s; step exit codes: $(tr '\n' ' ' < "$OUT/steps.txt")"

@@ -14,8 +14,8 @@ from sglang_vericache.ops.pool_kivi_decode import (
     PoolKiviDecode,
     agrees_with_reference,
     pool_kivi_decoder,
-    reference,
 )
+from sglang_vericache.ops.reference import pool_kivi_decode_reference
 
 SLOTS = 4096
 # (body key groups, float slots) per row: a body of several groups, no body, a long tail, one slot
@@ -67,7 +67,7 @@ def test_the_kernel_attends_as_the_reference(heads, group_q, dim, bits, group, d
     before = [b.view(torch.uint8).clone() for b in (k_buf, v_buf)]  # page bytes: NaNs as floats
     for layer_scale in (dim**-0.5, 0.3):  # one plan, run per layer
         got = decoder.run(q, k_buf, v_buf, layer_scale)
-        want = reference(q, k_buf, v_buf, columns, bodies, layer_scale)
+        want = pool_kivi_decode_reference(q, k_buf, v_buf, columns, bodies, layer_scale)
         assert got.dtype == q.dtype and got.shape == q.shape
         torch.testing.assert_close(got.float(), want.float(), rtol=TOL[dtype], atol=TOL[dtype])
     for buffer, bytes_before in zip((k_buf, v_buf), before):

@@ -1,4 +1,4 @@
-"""Bit packing of the shared format (CONTEXT.md "Shared formats"; the Triton kernels read it).
+"""Bit packing of the shared format (the CPU and Triton draft kernels read it packed).
 
 Element j of the last dimension goes to byte j // (8 // b) at bit offset (j % (8 // b)) * b, low
 bits first. int4: [..., D] -> [..., D // 2] uint8; int2: [..., D // 4]; int8: [..., D] (one per byte).

@@ -34,6 +34,7 @@ from torch import Tensor
 
 from sglang_vericache.compress.kivi_pages import KiviPageLayout, PagedKiviBlock
 from sglang_vericache.ops.dropped_decode import PagedDecodeGeometry
+from sglang_vericache.ops.reference import pool_kivi_decode_reference
 
 logger = logging.getLogger(__name__)
 
@@ -165,29 +166,11 @@ def _multiprocessors(device: torch.device) -> int:
     return 1  # the interpreter: splits only matter for coverage
 
 
-def reference(q: Tensor, key_buffer: Tensor, value_buffer: Tensor, columns: Sequence[Tensor],
-              bodies: Sequence[PagedKiviBlock | None], scale: float) -> Tensor:  # fmt: skip
-    """What ``run`` computes, row by row in float32: the body dequantized (as
-    ``KiviBlock.dequantize`` rounds it to the KV dtype), then the slots gathered."""
-    out = []
-    for i, (cols, body) in enumerate(zip(columns, bodies)):
-        keys = key_buffer[cols.to(key_buffer.device)].transpose(0, 1).float()
-        values = value_buffer[cols.to(key_buffer.device)].transpose(0, 1).float()
-        if body is not None:
-            bk, bv = body.dequantize()
-            keys, values = torch.cat([bk.float(), keys], 1), torch.cat([bv.float(), values], 1)
-        o = torch.nn.functional.scaled_dot_product_attention(
-            q[i, :, None].float().unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
-            scale=scale, enable_gqa=True)  # fmt: skip
-        out.append(o[0, :, 0])
-    return torch.stack(out).to(q.dtype)
-
-
 def agrees_with_reference(decoder: PoolKiviDecode, geometry: PagedDecodeGeometry,
                           seed: int = 0) -> bool:  # fmt: skip
     """Whether ``decoder`` decodes a small random batch of ``geometry`` (rows with int4 and
-    int2 bodies of scattered pages and one without, 1-40 float slots) as ``reference`` does,
-    within the KV dtype's rounding."""
+    int2 bodies of scattered pages and one without, 1-40 float slots) as the reference
+    (``pool_kivi_decode_reference``) does, within the KV dtype's rounding."""
     from sglang_vericache.compress.kivi import Kivi
 
     g = torch.Generator().manual_seed(seed)
@@ -210,7 +193,7 @@ def agrees_with_reference(decoder: PoolKiviDecode, geometry: PagedDecodeGeometry
         q = torch.randn(3, geometry.num_q_heads, dim, generator=g).to(device, dtype)
         decoder.plan(columns, bodies, k_buf, geometry.num_q_heads)
         got = decoder.run(q, k_buf, v_buf, dim**-0.5).float()
-        want = reference(q, k_buf, v_buf, columns, bodies, dim**-0.5).float()
+        want = pool_kivi_decode_reference(q, k_buf, v_buf, columns, bodies, dim**-0.5).float()
         tol = 1e-4 if dtype == torch.float32 else 3e-2
         out.append(bool(torch.allclose(got, want, rtol=tol, atol=tol)))
     return all(out)
