@@ -165,7 +165,7 @@ def test_auto_under_memory_pressure_is_exact_offloads_and_measures_both_modes(
 ) -> None:
     """A budget that holds about two of the four prompts' full KV, ``--vericache-draft-len
     auto``, ``--vericache-placement pressure``: a request alone has room, so its full KV stays
-    in the pool; then the request admission cannot fit makes the worker move running requests'
+    in the pool, its compressed KV in free slots beside it; then the request admission cannot fit makes the worker move running requests'
     full KV to host memory (``placement.py``), so all four run at once; the planner times plain
     and drafted steps before it chooses (``verify/step_plan.py``); every token is plain
     SGLang's."""
@@ -177,6 +177,8 @@ def test_auto_under_memory_pressure_is_exact_offloads_and_measures_both_modes(
             "sampling_params": {"temperature": 0, "max_new_tokens": 8},
         })["meta_info"]["vericache"]  # fmt: skip
         assert alone["host_kv_tokens"] == 0, alone  # room: nothing moved
+        # its compressed KV in free pool slots, where the allocator counts it (a resident row)
+        assert alone["compressed_kv_bytes_in_pool"] > 0 and alone["reserved_slots"] > 0, alone
 
         def one(prompt: Prompt) -> dict:
             return http_json(server.url + "/generate", {"text": prompt.text, "sampling_params": {

@@ -19,11 +19,14 @@ body in layer l's buffers at the row's first pages, read packed where they lie::
     draft row pages     p_0 .. p_5 | p_6 .. p_11 | ...      (6 slots a group: int4, G 32, fp32)
     layer l             group 0    | group 1     | ...
 
-Only then: a row's slots come out of what its offload frees, so taking them never eats into
+An offloaded row's slots come out of what its offload frees, so taking them never eats into
 what SGLang has promised (the rest of a chunked prompt, the running requests' next tokens). A
-request whose full KV stays resident (pressure placement) keeps its compressed KV beside the
-pool, uncounted, until pressure moves it: slots taken for it would be slots SGLang's admission
-never reserved (a drafted request was seen to run a chunked prefill out of memory that way).
+request whose full KV stays resident (pressure placement) takes free slots only, where they
+cover its compressed KV (``PoolOffloader.hold_resident``): admission counts them as held, and an
+allocation SGLang promised that finds the pool short takes them back through the prefix tree's
+eviction, after every cached node (``PoolOffloader.evict_resident``); the state then keeps its
+compressed KV beside the pool until pressure moves its full KV. (Taking them for good was tried:
+a chunked prefill's next chunk, promised at its first admission, ran out of memory.)
 
 Lifetime: the ledger holds each row's draft row (``OffloadLedger.draft_rows``); the row owns
 its slots. A request's ``RequestDraftState`` lodges in them (``lodge``) when the offloader holds

@@ -86,6 +86,12 @@ class VeriCacheExporter:
             "vericache:compressed_kv_slots", "Pool slots held for compressed KV.",
             labelnames=names, multiprocess_mode="mostrecent",
         )  # fmt: skip
+        self._evicted = Gauge(
+            "vericache:resident_draft_slots_evicted",
+            "Pool slots of resident draft rows (compressed KV of requests whose full KV is in "
+            "the pool) that allocations took back since start.",
+            labelnames=names, multiprocess_mode="mostrecent",
+        )  # fmt: skip
         self._tracked = Gauge(
             "vericache:tracked_requests",
             "Requests whose VeriCache state the worker holds (0 when idle: nothing leaked).",
@@ -161,6 +167,7 @@ class VeriCacheExporter:
         host_kv_tokens = sum(entry.host.length for entry in ledger.rows.values())
         self._host_tokens.labels(**self._labels).set(host_kv_tokens)
         self._reserved.labels(**self._labels).set(ledger.reserved_slots())
+        self._evicted.labels(**self._labels).set(ledger.evicted_resident_slots)
         self._tracked.labels(**self._labels).set(tracked)
 
 

@@ -158,7 +158,8 @@ class PrefixTreeHooks(Protocol):
 class OffloadLedger:
     """Which pool rows have offloaded ranges (``rows``), and which hold pool slots for their
     compressed KV (``draft_rows``, ``srt/draft_rows.py``): two tables, as a draft row may go
-    (released for admission) while its row's host range stays.
+    (released for admission) while its row's host range stays, and a resident row (its full
+    KV in the pool, pressure placement) may hold one without a host range.
 
     Mutated by the offloader (``PoolOffloader``: for the worker, and for the prefix cache when
     SGLang releases a row) on the scheduler thread only; readers (the attention backend) use
@@ -169,6 +170,7 @@ class OffloadLedger:
         self.rows: dict[int, OffloadedRow] = {}
         self.draft_rows: dict[int, Any] = {}  # pool row -> its DraftRow (srt/draft_rows.py)
         self.freed_slots = 0  # pool slots ever given back by offloads (admission watches it)
+        self.evicted_resident_slots = 0  # resident draft rows' slots allocations took back
         # Slots the last admission attempt lacked for a waiting request (0: none lacked); set by
         # the admission hook, relieved by the worker offloading resident rows (placement.py).
         self.admission_deficit = 0
@@ -266,9 +268,8 @@ class OffloadLedger:
         return keys, values
 
     def check_integrity(self, table: Tensor | None = None) -> None:
-        """Ranges are non-empty; with ``table``, offloaded entries hold the placeholder; a draft
-        row only beside its row's host range, and no slot in two draft rows."""
-        assert self.draft_rows.keys() <= self.rows.keys(), "a draft row without a host range"
+        """Ranges are non-empty; with ``table``, offloaded entries hold the placeholder; no slot
+        in two draft rows (a draft row beside its row's host range, or a resident one)."""
         for draft_row in self.draft_rows.values():
             draft_row.check_integrity()
         held = [d.held for d in self.draft_rows.values()]

@@ -21,6 +21,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
+from sglang_vericache.compress.layer_cache import GROW_MIN
 from sglang_vericache.srt.draft_rows import DraftRow
 from sglang_vericache.srt.eligibility import tokens_left
 from sglang_vericache.srt.offload import (
@@ -136,6 +137,58 @@ class PoolOffloader:
         self.ledger.freed_slots += hi - lo
         return OffloadResult(moved=hi - lo, reserved=self._hold(row, state, compressed_bytes))
 
+    def hold_resident(self, row: int, state: Any) -> bool:
+        """Lodge ``state`` (a drafted row's compressed KV) in a draft row of free pool slots
+        while the row's full KV stays in the pool (pressure placement), so the allocator counts
+        it. Only free slots, and only where they cover it: slots that admission promised
+        elsewhere (a chunked prompt's next chunk, the next decode step) are not eaten into for
+        good, since an allocation that finds them short evicts resident draft rows
+        (``evict_resident``, via the prefix tree's ``evict``), which is why a tree must be there
+        to evict through. Returns whether the state is lodged; otherwise it stays beside the
+        pool until its full KV moves (``_hold``)."""
+        tree = self.ledger.tree
+        if self.ledger.span(row) is not None or tree is None or not tree.supports_prefix_sharing():
+            return False
+        draft_row = self.ledger.draft_rows.get(row)
+        if draft_row is not None:
+            return draft_row.tenant is state
+        # its bytes' worth, and the room a lodged view is given to grow (whole pages)
+        if self.allocator.available_size() < self.slots_for(state.nbytes) + GROW_MIN + self.page:
+            return False
+        draft_row = self.ledger.draft_rows[row] = DraftRow(self.pool, self._take_for(row))
+        return draft_row.lodge(state) == len(state.layers)
+
+    def evict_resident(self, num_slots: int) -> int:
+        """Free resident draft rows (``hold_resident``), largest first, until ``num_slots`` are
+        free; each state's columns move to buffers of its own (drafting goes on, beside the pool
+        until pressure moves its full KV). Returns the slots freed."""
+        rows = [r for r in self.ledger.draft_rows if self.ledger.span(r) is None]
+        rows.sort(key=lambda r: -self.ledger.draft_rows[r].num_held)
+        freed = 0
+        for row in rows:
+            if freed >= num_slots:
+                break
+            freed += self._free_reserved(row)
+        if freed:
+            self.ledger.evicted_resident_slots += freed
+            logger.info("an allocation took back %d pool slots of resident draft rows (their "
+                        "compressed KV stays beside the pool until pressure moves it)", freed)
+        return freed
+
+    def _take_for(self, row: int) -> Callable[[int], Tensor | None]:
+        """How ``row``'s draft row takes slots: while its full KV is resident, free ones only
+        (never evicting a cached node, no shortfall counted: its compressed KV may stay beside
+        the pool); once offloaded, ``_take``."""
+
+        def take(n: int) -> Tensor | None:
+            if self.ledger.span(row) is not None:
+                return self._take(n)
+            n = -(-n // self.page) * self.page
+            got = self.allocator.alloc(n) if self.allocator.available_size() >= n else None
+            return None if got is None else got.to(torch.int64)
+
+        return take
+
     def _hold(self, row: int, state: Any = None, compressed_bytes: int = 0) -> int:
         """Hold pool slots for ``row``'s compressed KV, at least ``ceil(bytes / slot_bytes)``
         (whole pages), in its draft row (``srt/draft_rows.py``), and lodge ``state`` there.
@@ -150,7 +203,7 @@ class PoolOffloader:
         if draft_row is None:
             if state is None and compressed_bytes == 0:
                 return 0  # a plain row: nothing to hold
-            draft_row = self.ledger.draft_rows[row] = DraftRow(self.pool, self._take)
+            draft_row = self.ledger.draft_rows[row] = DraftRow(self.pool, self._take_for(row))
         before = draft_row.num_held
         if state is not None:
             draft_row.lodge(state)  # its columns and packed pages take what they need

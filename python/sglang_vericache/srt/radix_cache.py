@@ -16,7 +16,10 @@ only where a drafted request's row holds placeholders instead of slots (``srt/of
   the part the tree holds is kept);
 - ``free_kv_row`` never frees the placeholders, and ``on_release`` frees the request's draft
   row (its compressed KV's slots), so the idle check ``available + evictable + protected ==
-  total`` holds.
+  total`` holds;
+- a drafted request whose full KV stays in the pool (pressure placement) lodges its compressed
+  KV in free slots too (a resident draft row), which an allocation short of slots takes back
+  after every cached node (``evict``).
 
 Requests decoded plainly (sampling, logprobs, ...) are cached exactly as without
 ``--vericache``.
@@ -131,13 +134,20 @@ class VeriCacheRadixCache(RadixCache):
 
     def evict(self, params: EvictParams) -> Any:
         """Free ``params.num_tokens`` slots: FULL nodes first (LRU, as SGLang), then DEMOTED
-        entries (LRU) for what the tree could not free."""
+        entries (LRU), then running requests' resident draft rows (their compressed KV moves
+        beside the pool: ``PoolOffloader.hold_resident``) for what is still short. Resident
+        draft rows are not ``evictable_size``: admission counts them as held, and only an
+        allocation that SGLang promised and finds short takes them back."""
         result = super().evict(params)
         short = params.num_tokens - result.num_tokens_evicted
-        if short <= 0 or not self._demoted_slots():
-            return result
-        freed = self.ahead.store.evict(short)
-        return replace(result, num_tokens_evicted=result.num_tokens_evicted + freed)
+        if short > 0 and self._demoted_slots():
+            freed = self.ahead.store.evict(short)
+            result = replace(result, num_tokens_evicted=result.num_tokens_evicted + freed)
+            short -= freed
+        if short > 0:
+            freed = self.offloader.evict_resident(short)
+            result = replace(result, num_tokens_evicted=result.num_tokens_evicted + freed)
+        return result
 
     def _demoted_slots(self) -> int:
         return 0 if self.ahead is None else self.ahead.store.charged_slots

@@ -210,10 +210,12 @@ class VeriCacheWorker(DecodeSteps, BaseSpecWorker):
         """Move an offloaded row's newly committed KV to host memory too, and hold ``state``
         (its compressed KV, or None) in pool slots (its draft row). Under pressure placement a
         row still in the pool stays there until pressure moves it (``relieve_pressure``), its
-        compressed KV beside the pool until then (``srt/draft_rows.py`` says why); eager
-        placement and offload-only always move."""
+        compressed KV in free pool slots where there are enough (``hold_resident``), else beside
+        the pool; eager placement and offload-only always move."""
         span = self.offloader.ledger.span(row)
         if not (self.offload_only or self.eager_offload) and span is None:
+            if state is not None:
+                self.offloader.hold_resident(row, state)
             return
         owned_from = int(req.kv.cache_protected_len)
         self.offloader.offload(row, owned_from, committed, req=req, state=state)
