@@ -44,7 +44,8 @@ def test_an_allocation_sglang_finds_short_takes_resident_rows_back_after_cached_
         page_size: int) -> None:  # fmt: skip
     """SGLang's own allocation path (``evict_to_free_tokens``, as a chunked prompt's next chunk
     or a decode step allocates) evicts cached nodes first, then resident draft rows; the state
-    keeps drafting from buffers of its own, its views unchanged."""
+    keeps drafting from buffers of its own, its views unchanged. Our own allocations (restoring
+    a finished turn) evict cached nodes only."""
     from sglang.srt.mem_cache.base_prefix_cache import InsertParams
     from sglang.srt.mem_cache.radix_cache import RadixKey
 
@@ -58,6 +59,8 @@ def test_an_allocation_sglang_finds_short_takes_resident_rows_back_after_cached_
     alloc.evict_to_free_tokens(tree, 8)  # the cached node covers it: the row stays
     assert alloc.available_size() >= 8 and off.ledger.reserved(1) == held
     alloc.alloc(alloc.available_size())
+    tree.evict_cached(4)  # an allocation of ours (a finished turn's restore): cached nodes only
+    assert alloc.available_size() == 0 and off.ledger.reserved(1) == held
     alloc.evict_to_free_tokens(tree, 4)
     assert off.ledger.reserved(1) == 0 and alloc.available_size() == held
     assert off.ledger.evicted_resident_slots == held

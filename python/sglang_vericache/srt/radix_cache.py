@@ -18,8 +18,7 @@ only where a drafted request's row holds placeholders instead of slots (``srt/of
   row (its compressed KV's slots), so the idle check ``available + evictable + protected ==
   total`` holds;
 - a drafted request whose full KV stays in the pool (pressure placement) lodges its compressed
-  KV in free slots too (a resident draft row), which an allocation short of slots takes back
-  after every cached node (``evict``).
+  KV in free slots (a resident draft row): SGLang's allocations take them back last (``evict``).
 
 Requests decoded plainly (sampling, logprobs, ...) are cached exactly as without
 ``--vericache``.
@@ -119,9 +118,11 @@ class VeriCacheRadixCache(RadixCache):
         return own[:duplicates]
 
     def evict_cached(self, num_tokens: int) -> None:
-        """Evict for an allocation of ours (a restore, a reservation): the slots freed must be
+        """Evict for an allocation of ours (a restore, a reservation): cached nodes only, never
+        a running request's resident draft row (moving one compressed KV out of the pool for
+        another, or for a finished turn's cache, gains nothing); the slots freed must be
         allocatable at once, also inside SGLang's free group (``_free_deferred``)."""
-        self.evict(EvictParams(num_tokens=num_tokens))
+        self._evict_cached(EvictParams(num_tokens=num_tokens))
         _free_deferred(self.token_to_kv_pool_allocator)
 
     def cached_tokens(self) -> int:
@@ -133,21 +134,24 @@ class VeriCacheRadixCache(RadixCache):
         return super().evictable_size() + self._demoted_slots()
 
     def evict(self, params: EvictParams) -> Any:
-        """Free ``params.num_tokens`` slots: FULL nodes first (LRU, as SGLang), then DEMOTED
-        entries (LRU), then running requests' resident draft rows (their compressed KV moves
-        beside the pool: ``PoolOffloader.hold_resident``) for what is still short. Resident
-        draft rows are not ``evictable_size``: admission counts them as held, and only an
-        allocation that SGLang promised and finds short takes them back."""
-        result = super().evict(params)
+        """SGLang's eviction (an allocation short of slots): cached nodes (``_evict_cached``),
+        then running requests' resident draft rows (``PoolOffloader.hold_resident``; not in
+        ``evictable_size``: admission counts them as held) for what is still short."""
+        result = self._evict_cached(params)
         short = params.num_tokens - result.num_tokens_evicted
-        if short > 0 and self._demoted_slots():
-            freed = self.ahead.store.evict(short)
-            result = replace(result, num_tokens_evicted=result.num_tokens_evicted + freed)
-            short -= freed
         if short > 0:
             freed = self.offloader.evict_resident(short)
             result = replace(result, num_tokens_evicted=result.num_tokens_evicted + freed)
         return result
+
+    def _evict_cached(self, params: EvictParams) -> Any:
+        """FULL nodes (LRU, as SGLang), then DEMOTED entries (LRU) for what they lack."""
+        result = super().evict(params)
+        short = params.num_tokens - result.num_tokens_evicted
+        if short <= 0 or not self._demoted_slots():
+            return result
+        freed = self.ahead.store.evict(short)
+        return replace(result, num_tokens_evicted=result.num_tokens_evicted + freed)
 
     def _demoted_slots(self) -> int:
         return 0 if self.ahead is None else self.ahead.store.charged_slots
