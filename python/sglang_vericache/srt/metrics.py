@@ -59,6 +59,10 @@ class VeriCacheExporter:
         def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Any:
             return Counter(f"vericache:{name}", doc, labelnames=names + list(extra))
 
+        def gauge(name: str, doc: str, multiprocess_mode: str = "mostrecent") -> Any:
+            return Gauge(f"vericache:{name}", doc, labelnames=names,
+                         multiprocess_mode=multiprocess_mode)  # fmt: skip
+
         mode = ("mode",)
         self._drafted = counter("drafted_tokens", "Tokens drafted from the compressed KV.", mode)
         self._accepted = counter(
@@ -78,25 +82,14 @@ class VeriCacheExporter:
             "vericache:accept_length", "Tokens committed per verification, by decode mode.",
             labelnames=names + list(mode), buckets=[float(b) for b in ACCEPT_LEN_BUCKETS],
         )  # fmt: skip
-        self._host_tokens = Gauge(
-            "vericache:host_kv_tokens", "Running requests' full-KV tokens in host memory.",
-            labelnames=names, multiprocess_mode="mostrecent",
-        )  # fmt: skip
-        self._reserved = Gauge(
-            "vericache:compressed_kv_slots", "Pool slots held for compressed KV.",
-            labelnames=names, multiprocess_mode="mostrecent",
-        )  # fmt: skip
-        self._evicted = Gauge(
-            "vericache:resident_draft_slots_evicted",
-            "Pool slots of resident draft rows (compressed KV of requests whose full KV is in "
-            "the pool) that allocations took back since start.",
-            labelnames=names, multiprocess_mode="mostrecent",
-        )  # fmt: skip
-        self._tracked = Gauge(
-            "vericache:tracked_requests",
-            "Requests whose VeriCache state the worker holds (0 when idle: nothing leaked).",
-            labelnames=names, multiprocess_mode="mostrecent",
-        )  # fmt: skip
+        self._host_tokens = gauge("host_kv_tokens",
+                                  "Running requests' full-KV tokens in host memory.")
+        self._reserved = gauge("compressed_kv_slots", "Pool slots held for compressed KV.")
+        self._evicted = gauge("resident_draft_slots_evicted", "Pool slots of resident draft "
+                              "rows (compressed KV of requests whose full KV is in the pool) "
+                              "that allocations took back since start.")  # fmt: skip
+        self._tracked = gauge("tracked_requests", "Requests whose VeriCache state the worker "
+                              "holds (0 when idle: nothing leaked).")  # fmt: skip
         self._phase_s = counter("step_phase_seconds", "Decode-step seconds by phase (prepare, "
                                 "draft, verify, plain, commit, offload, other).", ("phase",))
         self._phase_steps = counter("step_phase_steps", "Decode steps in which each phase ran.",
@@ -106,12 +99,9 @@ class VeriCacheExporter:
                                   "(prefill, compress, offload, other): what a drafted "
                                   "request's first token waits for.", ("phase",))  # fmt: skip
         self._draft_fwd = counter("draft_forwards", "Draft forwards over the compressed views.")
-        self._transient = Gauge(
-            "vericache:step_transient_bytes_peak",
-            "Largest tensor set a decode step built outside the KV pool (a quantized view with "
-            "its draft chain, a row's gathered verify KV), peak since start.",
-            labelnames=names, multiprocess_mode="max",
-        )  # fmt: skip
+        self._transient = gauge("step_transient_bytes_peak", "Largest tensor set a decode "
+                                "step built outside the KV pool (a quantized view with its draft "
+                                "chain, a row's gathered verify KV), peak since start.", "max")
         self._transient_peak = 0
         self._labels = labels
 
