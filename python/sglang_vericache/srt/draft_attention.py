@@ -19,18 +19,19 @@ the buffer's head::
 Queries sit at their true positions (keys are post-RoPE, so a view's gaps do not matter). On a
 CPU with float32 views the rows of a layer attend in one call of a batched kernel
 (``ops/cpu_draft_decode.py``: one parallel region, each view read where it lies, a KIVI body
-packed). On a GPU, where every row's view is in pool slots and none has a packed body, the
-batch is one paged decode (``ops/dropped_decode.py``, FlashInfer's, pages of one token: the
-pool's buffers as they are), planned once per draft forward and run per layer; where rows
-have KIVI bodies in the row's pages, one Triton kernel reads them packed beside the slots
-(``ops/pool_kivi_decode.py``, the same CSR with the bodies' pages beside it)::
+packed). On a GPU, the rows whose view is in pool slots without a packed body are one paged
+decode (``ops/dropped_decode.py``, FlashInfer's, pages of one token: the pool's buffers as they
+are), planned once per draft forward and run per layer; where rows have KIVI bodies in the
+row's pages, one Triton kernel reads them packed beside the slots (``ops/pool_kivi_decode.py``,
+the same CSR with the bodies' pages beside it), whichever of the two reads more of the batch::
 
     kv_indptr        0 | n_0 | n_0 + n_1 | ...          n_i = float_len_i + chain_i
     kv_page_indices  row 0's slots, its chain | row 1's slots, its chain | ...
     kv_last_page_len 1 for every row
 
-Elsewhere, or where neither could be had, one SDPA call per row reads a tensor: a row in pool
-slots is gathered, a quantized body dequantized, one layer of the batch at a time. Those copies
+Every other row (a view beside the pool; everywhere, where no decoder could be had) is one
+SDPA call that reads a tensor: a row in pool slots is gathered, a quantized body dequantized,
+one layer of the batch at a time. Those copies
 are the only transient tensors drafting builds outside the pool (``transient_bytes``). A row
 without a compressed state rides along in the forward, attending over its own chain only; its
 drafts are never verified.
@@ -61,10 +62,10 @@ class DraftPlan:
     drafts: draft forwards the step runs (the chain grows to this many tokens).
     view_lens[layer][i]: T_view of row i's cache of ``layer`` (0 for a row riding along).
     kernel: the batched CPU kernel (None: one SDPA call per row and layer).
-    paged: a paged decoder over the pool (FlashInfer on a GPU), for batches whose every view is
-        in pool slots without a packed body; None: not used.
-    pool_kivi: the Triton decoder over the pool (a GPU), for batches whose every view is in pool
-        slots, packed KIVI bodies in its pages included (FlashInfer first where none has one).
+    paged: a paged decoder over the pool (FlashInfer on a GPU), for rows whose view is in pool
+        slots without a packed body; None: not used.
+    pool_kivi: the Triton decoder over the pool (a GPU), for rows whose view is in pool slots,
+        packed KIVI bodies in its pages included (FlashInfer first where it reads as many).
     transient_bytes: the most bytes of view + chain a forward copied at one layer, over all its
         rows (0 when every drafted row attends in place): at most one layer's view of the batch.
     """
@@ -138,18 +139,65 @@ class DraftPlan:
         base_i .. seq_len_i - 1 (this step's drafts so far, the current one included).
         Returns [B, H_q, D_v].
         """
-        if self.paged is not None and q.dtype == key_buffer.dtype and self._in_pool(
-                layer_id, key_buffer, packed=False):  # fmt: skip
-            self._plan_paged(layer_id, chain_slots, key_buffer, q.shape[1], scale)
+        batch = range(q.shape[0])
+        decoder, pooled = self._pool_decoder(layer_id, key_buffer, q)
+        if decoder is None:
+            return self._attend_rows(q, layer_id, key_buffer, value_buffer, chain_slots, scale,
+                                     list(batch))  # fmt: skip
+        out = self._attend_pooled(decoder, q, layer_id, key_buffer, value_buffer, chain_slots,
+                                  scale, pooled)  # fmt: skip
+        if len(pooled) == len(batch):
+            return out
+        rest = sorted(set(batch) - set(pooled))
+        full = q.new_empty((q.shape[0], q.shape[1], value_buffer.shape[-1]))
+        full[pooled] = out.to(full.dtype)
+        full[rest] = self._attend_rows(q, layer_id, key_buffer, value_buffer, chain_slots,
+                                       scale, rest)  # fmt: skip
+        return full
+
+    def _pool_decoder(self, layer_id: int, key_buffer: Tensor, q: Tensor
+                      ) -> tuple[Any | None, list[int]]:  # fmt: skip
+        """The pool decoder that reads the most rows of this layer, and those rows: FlashInfer's
+        the rows whose view is in pool slots without a packed body, Triton's also those whose
+        KIVI body is in this layer's pages; a row riding along (its chain only) suits both.
+        (None, []) where neither reads a drafted row. FlashInfer wins a tie."""
+        caches = [None if s is None else s.layers[layer_id] for s in self.states]
+        best: tuple[Any | None, list[int]] = (None, [])
+        for decoder, reads in (
+                (self.paged if q.dtype == key_buffer.dtype else None, lambda c: c.block is None),
+                (self.pool_kivi if self.pool_kivi is not None and self.pool_kivi.accepts(
+                    key_buffer, q.shape[1]) else None,
+                 lambda c: c.block is None or self.pool_kivi.accepts_body(c.block, key_buffer)),
+        ):  # fmt: skip
+            if decoder is None:
+                continue
+            rows = [i for i, c in enumerate(caches)
+                    if c is None or (c.draft_slots() is not None and reads(c))]  # fmt: skip
+            if any(caches[i] is not None for i in rows) and len(rows) > len(best[1]):
+                best = (decoder, rows)
+        return best
+
+    def _attend_pooled(self, decoder: Any, q: Tensor, layer_id: int, key_buffer: Tensor,
+                       value_buffer: Tensor, chain_slots: Sequence[Tensor], scale: float,
+                       rows: list[int]) -> Tensor:  # fmt: skip
+        """``rows``' attention through ``decoder`` (planned once per forward):
+        [len(rows), H_q, D]."""
+        q_rows = q[rows].contiguous()
+        if decoder is self.paged:
+            self._plan_paged(layer_id, rows, chain_slots, key_buffer, q.shape[1], scale)
             pages = (key_buffer.unsqueeze(1), value_buffer.unsqueeze(1))  # [slots, 1, H_kv, D]
-            return self.paged.run(q.contiguous(), *pages)
-        if (self.pool_kivi is not None and self.pool_kivi.accepts(key_buffer, q.shape[1])
-                and self._in_pool(layer_id, key_buffer, packed=True)):  # fmt: skip
-            self._plan_pool_kivi(layer_id, chain_slots, key_buffer, q.shape[1])
-            return self.pool_kivi.run(q, key_buffer, value_buffer, scale)
-        rows = [self._row_kv(i, layer_id, key_buffer, value_buffer, slots)
-                for i, slots in enumerate(chain_slots)]  # fmt: skip
-        bodies, keys, values, index, copied = (list(part) for part in zip(*rows))
+            return self.paged.run(q_rows, *pages)
+        self._plan_pool_kivi(layer_id, rows, chain_slots, key_buffer, q.shape[1])
+        return self.pool_kivi.run(q_rows, key_buffer, value_buffer, scale)
+
+    def _attend_rows(self, q: Tensor, layer_id: int, key_buffer: Tensor, value_buffer: Tensor,
+                     chain_slots: Sequence[Tensor], scale: float, rows: list[int]) -> Tensor:
+        """``rows``' attention over tensors (the CPU kernel, else one SDPA call per row), each
+        row's view read in place where the kernel takes it, else gathered or dequantized (those
+        copies are ``transient_bytes``): [len(rows), H_q, D]."""
+        parts = [self._row_kv(i, layer_id, key_buffer, value_buffer, chain_slots[i]) for i in rows]
+        bodies, keys, values, index, copied = (list(part) for part in zip(*parts))
+        q = q if len(rows) == q.shape[0] else q[rows]
         if self.kernel is not None and self.kernel.accepts(q, keys, values, bodies, index):
             self.transient_bytes = max(self.transient_bytes, sum(copied))
             return self.kernel(q, keys, values, scale, bodies, index)
@@ -171,53 +219,40 @@ class DraftPlan:
         self.transient_bytes = max(self.transient_bytes, sum(copied))
         return out
 
-    def _in_pool(self, layer_id: int, key_buffer: Tensor, packed: bool) -> bool:
-        """Every drafted row's view of ``layer_id`` is in pool slots, without a packed body, or
-        (``packed``) with one the Triton decoder reads in this layer's pages."""
-        for state in self.states:
-            cache = None if state is None else state.layers[layer_id]
-            if cache is None:
-                continue
-            if cache.draft_slots() is None:
-                return False
-            if cache.block is not None and not (
-                    packed and self.pool_kivi.accepts_body(cache.block, key_buffer)):  # fmt: skip
-                return False
-        return True
-
-    def _pool_columns(self, layer_id: int, chain_slots: Sequence[Tensor], decoder: object
-                      ) -> tuple[tuple, list[Tensor]] | None:  # fmt: skip
-        """Each row's pool slots at ``layer_id`` (its view's columns, then its chain; a row
-        riding along: its chain), or None where ``decoder``'s last plan read the same slots and
-        pages: within a forward every layer's chain is the same, and a draft row's slots and
+    def _pool_columns(self, layer_id: int, rows: list[int], chain_slots: Sequence[Tensor],
+                      decoder: object) -> list[Tensor] | None:  # fmt: skip
+        """Each of ``rows``' pool slots at ``layer_id`` (its view's columns, then its chain; a
+        row riding along: its chain), or None where ``decoder``'s last plan read the same slots
+        and pages: within a forward every layer's chain is the same, and a draft row's slots and
         pages are shared by its layers, so equal lengths mean equal slots (one plan per forward,
         unless a pyramid compressor's layers keep different counts)."""
-        caches = [None if s is None else s.layers[layer_id] for s in self.states]
-        key = (decoder,
+        caches = [None if self.states[i] is None else self.states[i].layers[layer_id] for i in rows]
+        key = (decoder, tuple(rows),
                tuple(0 if c is None else c.float_len for c in caches),
                tuple(0 if c is None or c.block is None else c.block.pages.numel() for c in caches),
-               tuple(int(c.numel()) for c in chain_slots))  # fmt: skip
+               tuple(int(chain_slots[i].numel()) for i in rows))  # fmt: skip
         if key == self._planned:
             return None
         self._planned = key
-        chains = [chain.to("cpu", torch.int64) for chain in chain_slots]
+        chains = [chain_slots[i].to("cpu", torch.int64) for i in rows]
         return [chain if c is None else torch.cat([c.draft_slots()[: c.float_len], chain])
                 for c, chain in zip(caches, chains)]  # fmt: skip
 
-    def _plan_pool_kivi(self, layer_id: int, chain_slots: Sequence[Tensor], key_buffer: Tensor,
-                        num_q_heads: int) -> None:  # fmt: skip
-        """Plan the Triton decode of ``layer_id`` (see ``_pool_columns``): row i reads its
-        body's pages, then its slots."""
-        columns = self._pool_columns(layer_id, chain_slots, self.pool_kivi)
+    def _plan_pool_kivi(self, layer_id: int, rows: list[int], chain_slots: Sequence[Tensor],
+                        key_buffer: Tensor, num_q_heads: int) -> None:  # fmt: skip
+        """Plan the Triton decode of ``layer_id`` over ``rows`` (see ``_pool_columns``): each
+        reads its body's pages, then its slots."""
+        columns = self._pool_columns(layer_id, rows, chain_slots, self.pool_kivi)
         if columns is not None:
-            bodies = [None if s is None else s.layers[layer_id].block for s in self.states]
+            states = [self.states[i] for i in rows]
+            bodies = [None if s is None else s.layers[layer_id].block for s in states]
             self.pool_kivi.plan(columns, bodies, key_buffer, num_q_heads)
 
-    def _plan_paged(self, layer_id: int, chain_slots: Sequence[Tensor], key_buffer: Tensor,
-                    num_q_heads: int, scale: float) -> None:  # fmt: skip
-        """Plan the paged decode of ``layer_id`` (see ``_pool_columns``): row i reads its
-        view's slots, then its chain, as pages of one token."""
-        index = self._pool_columns(layer_id, chain_slots, self.paged)
+    def _plan_paged(self, layer_id: int, rows: list[int], chain_slots: Sequence[Tensor],
+                    key_buffer: Tensor, num_q_heads: int, scale: float) -> None:  # fmt: skip
+        """Plan the paged decode of ``layer_id`` over ``rows`` (see ``_pool_columns``): each
+        reads its view's slots, then its chain, as pages of one token."""
+        index = self._pool_columns(layer_id, rows, chain_slots, self.paged)
         if index is None:
             return
         lens = [int(i.numel()) for i in index]
