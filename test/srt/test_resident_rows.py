@@ -100,3 +100,16 @@ def test_when_pressure_offloads_the_row_its_draft_row_stays_where_it_is() -> Non
     assert off.evict_resident(SLOTS) == 0, "an offloaded row's draft row is not resident"
     _assert_same(want, _views(state))
     off.ledger.check_integrity(off.table)
+
+
+def test_a_rebuilt_state_takes_its_predecessors_place() -> None:
+    alloc, tree, off, state = _resident(1)
+    free = alloc.available_size()
+    assert off.hold_resident(1, state)
+    rebuilt = _state("snapkv:ratio=0.25,window=8")
+    assert off.hold_resident(1, rebuilt)
+    assert off.ledger.draft_rows[1].tenant is rebuilt
+    assert all(cache.draft_slots() is None for cache in state.layers), "the old one moved out"
+    assert alloc.available_size() == free - off.ledger.reserved(1)
+    off.ledger.check_integrity()
+

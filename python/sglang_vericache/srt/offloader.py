@@ -151,7 +151,9 @@ class PoolOffloader:
             return False
         draft_row = self.ledger.draft_rows.get(row)
         if draft_row is not None:
-            return draft_row.tenant is state
+            if draft_row.tenant is state:
+                return True
+            self._free_reserved(row)  # a state rebuilt since: its predecessor's slots go back
         # its bytes' worth, and the room a lodged view is given to grow (whole pages)
         if self.allocator.available_size() < self.slots_for(state.nbytes) + GROW_MIN + self.page:
             return False
