@@ -6,7 +6,8 @@ methods, the way SGLang splits its scheduler into mixins; they read the worker's
 ``draft_length`` (planner and cost fit), ``clock`` (the step profile), ``metrics``, ``ahead``,
 ``generator``, ``compressor``, ``precision`` (draft weights), ``draft_kernel`` / ``paged_draft``
 / ``pool_kivi_draft`` (batched draft attention: the CPU kernel, a GPU's paged decodes),
-``stager`` (a verify's full KV to the device while the batch drafts: ``srt/full_kv_stage.py``),
+``stager`` (a step's offloaded full KV to the device: while the batch drafts, before a plain
+forward; ``srt/full_kv_stage.py``),
 ``num_layers``, ``offload_only``, ``device`` and ``speculative_num_draft_tokens``.
 Everything runs on the scheduler thread.
 
@@ -116,7 +117,14 @@ class DecodeSteps:
         base = batch.seq_lens_cpu.clone()
         set_decode_inputs(batch, self.offloader.table, last_tokens(batch, self.device), base, 0)
         rows = batch.req_pool_indices.tolist()
-        out = self.target_worker.forward_batch_generation(batch)
+        # a GPU: the rows' host-resident full KV in one copy each, not one per layer in the
+        # forward (nothing runs meanwhile to overlap it with)
+        self.clock.note_transient(self.stager.stage(rows))
+        self.stager.ready()
+        try:
+            out = self.target_worker.forward_batch_generation(batch)
+        finally:
+            self.stager.release()
         self._lap(Phase.PLAIN)
         for i, req in enumerate(batch.reqs):  # compressed KV catches up when drafting resumes
             state = self.states.get(req.rid)

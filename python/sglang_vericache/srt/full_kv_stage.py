@@ -16,6 +16,10 @@ verify is queued (the caching allocator reuses the memory only after the streams
 it). At most ``budget_bytes`` are staged per step, rows in batch order; a row past the budget
 is read per layer as before. The copies are transient device memory outside the KV pool.
 
+A plain step (the planner chose not to draft, or offload-only) stages its rows too, right
+before its forward: nothing runs meanwhile to overlap the copies with, but each row is one copy
+of a few contiguous runs instead of one per layer inside the forward.
+
 On a host-memory pool (the CPU backend) the verify reads the host buffer in place: the budget
 is 0 and nothing is staged.
 """
