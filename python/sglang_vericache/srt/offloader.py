@@ -164,6 +164,8 @@ class PoolOffloader:
         """Free resident draft rows (``hold_resident``), largest first, until ``num_slots`` are
         free; each state's columns move to buffers of its own (drafting goes on, beside the pool
         until pressure moves its full KV). Returns the slots freed."""
+        if num_slots <= 0:
+            return 0
         rows = [r for r in self.ledger.draft_rows if self.ledger.span(r) is None]
         rows.sort(key=lambda r: -self.ledger.draft_rows[r].num_held)
         freed = 0

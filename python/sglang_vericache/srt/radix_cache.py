@@ -138,11 +138,8 @@ class VeriCacheRadixCache(RadixCache):
         then running requests' resident draft rows (``PoolOffloader.hold_resident``; not in
         ``evictable_size``: admission counts them as held) for what is still short."""
         result = self._evict_cached(params)
-        short = params.num_tokens - result.num_tokens_evicted
-        if short > 0:
-            freed = self.offloader.evict_resident(short)
-            result = replace(result, num_tokens_evicted=result.num_tokens_evicted + freed)
-        return result
+        freed = self.offloader.evict_resident(params.num_tokens - result.num_tokens_evicted)
+        return replace(result, num_tokens_evicted=result.num_tokens_evicted + freed)
 
     def _evict_cached(self, params: EvictParams) -> Any:
         """FULL nodes (LRU, as SGLang), then DEMOTED entries (LRU) for what they lack."""
