@@ -52,7 +52,7 @@ def _pow2_at_least_16(n: int) -> bool:
 @dataclass(slots=True)
 class PoolKiviPlan:
     """One draft forward's batch, on the device (see module doc). ``layout``: the bodies' page
-    layout (one bit width and key group per batch).
+    layout (one bit width and key group per batch); ``dot``: ``_dot_dtype`` of the pool's.
     part_o [B, H_q, splits, D] / part_lse [B, H_q, splits] float32: the splits' results."""
 
     col_indptr: Tensor
@@ -61,6 +61,7 @@ class PoolKiviPlan:
     pages: Tensor
     layout: KiviPageLayout
     splits: int
+    dot: object  # the kernel's dot operand dtype (a triton.language dtype)
     part_o: Tensor
     part_lse: Tensor
 
@@ -76,6 +77,7 @@ class PoolKiviDecode:
         if device.type != "cuda" and not kernels.kernel_is_interpreted():
             raise ValueError(f"PoolKiviDecode runs on CUDA (or Triton's interpreter), not {device}")
         self.device, self._kernels, self.plan_ = device, kernels, None
+        self._interpreted = kernels.kernel_is_interpreted()
 
     @staticmethod
     def accepts(key_buffer: Tensor, num_q_heads: int) -> bool:
@@ -119,7 +121,7 @@ class PoolKiviDecode:
                              device=self.device)  # fmt: skip
         part_lse = torch.empty(rows, num_q_heads, splits, dtype=torch.float32, device=self.device)
         self.plan_ = PoolKiviPlan(col_indptr, col_slots, page_indptr, flat_pages, layout, splits,
-                                  part_o, part_lse)  # fmt: skip
+                                  self._dot_dtype(key_buffer.dtype), part_o, part_lse)  # fmt: skip
 
     def _csr(self, parts: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
         """([len + 1] int32 offsets, [total] int64 concatenation) of ``parts``, on the device."""
@@ -132,7 +134,7 @@ class PoolKiviDecode:
         dots are wrong; the 16-bit loads and roundings stay as on a GPU)."""
         import triton.language as tl
 
-        if dtype == torch.float32 or self._kernels.kernel_is_interpreted():
+        if dtype == torch.float32 or self._interpreted:
             return tl.float32
         return {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}[dtype]
 
@@ -153,7 +155,7 @@ class PoolKiviDecode:
             plan.part_o, plan.part_lse, float(scale) * LOG2E,
             H=heads, GQ=group_q, BLOCK_G=max(MIN_DOT, 1 << (group_q - 1).bit_length()), D=dim,
             BITS=layout.bits, GROUP=layout.group, PER_GROUP=layout.slots_per_group,
-            CODE_SLOTS=layout.code_slots, BLOCK_N=BLOCK_N, DOT=self._dot_dtype(key_buffer.dtype),
+            CODE_SLOTS=layout.code_slots, BLOCK_N=BLOCK_N, DOT=plan.dot,
         )  # fmt: skip
         weights = torch.exp2(plan.part_lse - plan.part_lse.amax(-1, keepdim=True))
         out = (plan.part_o * weights[..., None]).sum(-2) / weights.sum(-1)[..., None]

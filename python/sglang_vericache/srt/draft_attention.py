@@ -161,20 +161,21 @@ class DraftPlan:
         the rows whose view is in pool slots without a packed body, Triton's also those whose
         KIVI body is in this layer's pages; a row riding along (its chain only) suits both.
         (None, []) where neither reads a drafted row. FlashInfer wins a tie."""
+        kivi = self.pool_kivi
+        candidates = []  # (decoder, whether it reads a row's packed body)
+        if self.paged is not None and q.dtype == key_buffer.dtype:
+            candidates.append((self.paged, lambda block: False))
+        if kivi is not None and kivi.accepts(key_buffer, q.shape[1]):
+            candidates.append((kivi, lambda block: kivi.accepts_body(block, key_buffer)))
         caches = [None if s is None else s.layers[layer_id] for s in self.states]
         best: tuple[Any | None, list[int]] = (None, [])
-        for decoder, reads in (
-                (self.paged if q.dtype == key_buffer.dtype else None, lambda c: c.block is None),
-                (self.pool_kivi if self.pool_kivi is not None and self.pool_kivi.accepts(
-                    key_buffer, q.shape[1]) else None,
-                 lambda c: c.block is None or self.pool_kivi.accepts_body(c.block, key_buffer)),
-        ):  # fmt: skip
-            if decoder is None:
-                continue
-            rows = [i for i, c in enumerate(caches)
-                    if c is None or (c.draft_slots() is not None and reads(c))]  # fmt: skip
+        for decoder, reads_body in candidates:
+            rows = [i for i, c in enumerate(caches) if c is None or (
+                c.draft_slots() is not None and (c.block is None or reads_body(c.block)))]
             if any(caches[i] is not None for i in rows) and len(rows) > len(best[1]):
                 best = (decoder, rows)
+            if len(rows) == len(caches):
+                break  # every row: no other decoder can read more
         return best
 
     def _attend_pooled(self, decoder: Any, q: Tensor, layer_id: int, key_buffer: Tensor,

@@ -184,14 +184,7 @@ class PoolOffloader:
         (never evicting a cached node, no shortfall counted: its compressed KV may stay beside
         the pool); once offloaded, ``_take``."""
 
-        def take(n: int) -> Tensor | None:
-            if self.ledger.span(row) is not None:
-                return self._take(n)
-            n = -(-n // self.page) * self.page
-            got = self.allocator.alloc(n) if self.allocator.available_size() >= n else None
-            return None if got is None else got.to(torch.int64)
-
-        return take
+        return lambda n: self._take(n, free_only=self.ledger.span(row) is None)
 
     def _hold(self, row: int, state: Any = None, compressed_bytes: int = 0) -> int:
         """Hold pool slots for ``row``'s compressed KV, at least ``ceil(bytes / slot_bytes)``
@@ -228,12 +221,16 @@ class PoolOffloader:
         """Pool slots worth ``nbytes`` of compressed KV, in whole pages (0 for 0 bytes)."""
         return math.ceil(nbytes / self.slot_bytes / self.page) * self.page
 
-    def _take(self, n: int) -> Tensor | None:
+    def _take(self, n: int, free_only: bool = False) -> Tensor | None:
         """[n] int64 fresh pool slots for compressed KV (cached nodes evicted if they must be),
-        or None, counted in ``reserve_shortfall`` and logged, where the pool has none. A paged
-        allocator hands out whole pages: n rounds up to them (the row keeps the rest as room)."""
+        or None, counted in ``reserve_shortfall`` and logged, where the pool has none; with
+        ``free_only`` (a resident draft row), free slots or None, nothing evicted or counted. A
+        paged allocator hands out whole pages: n rounds up to them (the row keeps the rest as
+        room)."""
         n = -(-n // self.page) * self.page
         got = self.allocator.alloc(n)
+        if free_only:
+            return None if got is None else got.to(torch.int64)
         if got is None and self.ledger.tree is not None:
             self.ledger.tree.evict_cached(n)  # free slots may all be cached nodes
             got = self.allocator.alloc(n)
