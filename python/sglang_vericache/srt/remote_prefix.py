@@ -50,7 +50,7 @@ from sglang_vericache.tier.geometry import KVGeometry
 from sglang_vericache.tier.keys import ChunkKey
 from sglang_vericache.tier.layout import join_chunks, split_chunks
 from sglang_vericache.tier.link_bounds import LinkBounds, RemoteCounters
-from sglang_vericache.tier.pending_prefix import PendingPrefix, PrefixPhase
+from sglang_vericache.tier.pending_prefix import PendingPrefix, PrefixPhase, check_pending
 from sglang_vericache.tier.shared_fetch import SharedFetches
 
 logger = logging.getLogger(__name__)
@@ -115,12 +115,16 @@ class RemotePrefixLink:
         """Tokens past ``device_len`` to report as a host hit for ``tokens`` (the match key).
 
         > 0 while the lookup or fetch is in flight (the request then waits in the queue), the
-        verified length once fetched, 0 on a miss or failure (the request recomputes).
+        verified length once fetched, 0 on a miss or failure (the request recomputes). A
+        device prefix that shrank below the pending chunks (evicted) starts anew (``forget``).
         """
         self.poll()
         state = self.pending.get(rid)
         first = device_len // self.chunk
-        if state is None or state.first_chunk > first:
+        if state is not None and state.first_chunk > first:
+            self.forget(rid)
+            state = None
+        if state is None:
             end = len(tokens) // self.chunk * self.chunk
             if end <= device_len:
                 return 0
@@ -148,16 +152,15 @@ class RemotePrefixLink:
         self.poll()
         state = self.pending.get(rid)
         if state is None or state.phase is PrefixPhase.MISS or length <= 0:
-            self.pending.pop(rid, None)
+            self.forget(rid)
             return None
         if state.phase is not PrefixPhase.READY:
             return False
         start = device_len - state.first_chunk * self.chunk
         if start < 0 or start + length > state.chunks_ok * self.chunk:
             return False  # promised more than arrived: re-probe, never load short
-        del self.pending[rid]
         kv = join_chunks(self.fetches.buffers(rid)[: state.chunks_ok])
-        self.fetches.release(rid)
+        self.forget(rid)
         self.counters.hits_tokens += length
         return kv[..., start : start + length, :]
 
@@ -167,11 +170,14 @@ class RemotePrefixLink:
         return state is not None and state.phase in (PrefixPhase.LOOKUP, PrefixPhase.FETCH)
 
     def forget(self, rid: str) -> None:
+        """Drop ``rid``'s state in any phase (its one way out): cancel its lookup, free claims."""
         state = self.pending.pop(rid, None)
         if state is not None and state.task is not None:
             self.tier.cancel(state.task)
-        if state is not None and state.phase in (PrefixPhase.FETCH, PrefixPhase.READY):
-            self.fetches.release(rid)
+        self.fetches.release(rid)
+
+    def check_integrity(self) -> None:
+        check_pending(self.pending, self.fetches)
 
     # -- writes -------------------------------------------------------------------------------
 
@@ -295,10 +301,9 @@ class RemotePrefixLink:
             self.prefill_tokens_per_s = ewma(self.prefill_tokens_per_s, tokens / seconds)
 
     def _fetch_pays(self, keys: list[ChunkKey]) -> bool:
-        """Fetching ``keys`` is predicted no slower than recomputing their tokens here: a fast
-        GPU on a slow link recomputes, a CPU on a fast link fetches. Without both measurements
-        it fetches (which measures the link), and every ``EXPLORE_EVERY``-th skipped fetch is
-        made anyway so a stale bandwidth estimate cannot stop fetching for good."""
+        """Fetching ``keys`` is predicted no slower than recomputing them (a fast GPU on a slow
+        link recomputes, a CPU on a fast link fetches); unmeasured, it fetches (measuring the
+        link), and every ``EXPLORE_EVERY``-th skip fetches anyway (re-measuring it)."""
         nbytes = self.fetches.new_bytes(keys)
         if not nbytes or self.fetch_bytes_per_s <= 0 or self.prefill_tokens_per_s <= 0:
             return True
@@ -350,12 +355,7 @@ class RemotePrefixLink:
     def expected_wait_s(self, rid: str) -> float | None:
         """Seconds until ``rid``'s pending lookup and fetch land (None: no estimate yet)."""
         state = self.pending.get(rid)
-        if state is None or not self.fetch_bytes_per_s:
-            return None
-        left = state.nbytes(self.geometry)
-        if state.phase is PrefixPhase.FETCH:
-            left -= (time.monotonic() - state.fetch_started) * self.fetch_bytes_per_s
-        return max(left, 0) / self.fetch_bytes_per_s
+        return None if state is None else state.wait_s(self.geometry, self.fetch_bytes_per_s)
 
     def _finish_put(self, keys: list[ChunkKey], result) -> None:
         if result.status is not TaskStatus.DONE or not result.all_ok:

@@ -26,6 +26,7 @@ def _settle(link: RemotePrefixLink, rid: str, tokens, device_len: int, timeout: 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         hit = link.probe(rid, tokens, device_len)
+        link.check_integrity()  # requests' phases and their chunk claims agree at every step
         state = link.pending.get(rid)
         if state is None or state.phase in (PrefixPhase.READY, PrefixPhase.MISS):
             return hit
@@ -188,7 +189,7 @@ def test_a_request_no_longer_probed_is_forgotten_with_its_buffers() -> None:
     assert "aborted" not in link.pending and "alive" in link.pending
     assert link.fetch_bytes_in_flight() == 2 * TINY.chunk_nbytes(C)
     assert link.take("alive", 0, 2 * C) is not False
-    link.fetches.check_integrity()
+    link.check_integrity()
 
 
 def test_bytes_in_flight_are_capped_for_writes_and_fetches() -> None:
@@ -234,13 +235,13 @@ def test_requests_waiting_for_one_prefix_share_one_fetch() -> None:
         assert _settle(link, rid, toks, dev) == want
     assert tier.stats()["chunks_fetched"] == 4  # not 2 + 2 + 4
     assert link.fetch_bytes_in_flight() == 4 * TINY.chunk_nbytes(C)
-    link.fetches.check_integrity()
+    link.check_integrity()
     assert torch.equal(link.take("b", 3, 2 * C - 3), kv[..., 3 : 2 * C, :])
     link.forget("a")
     assert link.fetch_bytes_in_flight() == 4 * TINY.chunk_nbytes(C)  # c still claims them all
     assert torch.equal(link.take("c", 0, 4 * C), kv)
     assert link.fetch_bytes_in_flight() == 0 and not link.pending
-    link.fetches.check_integrity()
+    link.check_integrity()
 
 
 def test_a_prefix_is_fetched_only_where_fetching_beats_recomputing() -> None:
