@@ -4,7 +4,9 @@ test session.
 A server start costs about 30 s on 2 cores, so tests share ``plain_server`` (the embedded default
 model, no ``--vericache``) and ``vericache_server`` (the same arguments plus ``--vericache`` with
 the default compressor) instead of starting their own. Both prefill in chunks of
-``CHUNKED_PREFILL`` tokens, so a prompt longer than that exercises chunked prefill on both sides.
+``CHUNKED_PREFILL`` tokens, so a prompt longer than that exercises chunked prefill on both sides,
+and allow ``return_hidden_states`` (``--return-hidden-states-mode full``: SGLang captures hidden
+states only for the batches that ask, so the others run as without it).
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 CHUNKED_PREFILL = 512
-SHARED_ARGS = ["--max-total-tokens", "16384", "--chunked-prefill-size", str(CHUNKED_PREFILL)]
+SHARED_ARGS = ["--max-total-tokens", "16384", "--chunked-prefill-size", str(CHUNKED_PREFILL),
+               "--return-hidden-states-mode", "full"]
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

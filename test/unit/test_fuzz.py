@@ -27,6 +27,7 @@ from sglang_vericache.exactness.fuzz import (
 )  # fmt: skip
 from sglang_vericache.exactness.fuzz_outputs import Reply, outputs
 from sglang_vericache.exactness.fuzz_report import abbreviate, brief, markdown, merge, summarize
+from sglang_vericache.exactness.fuzz_surfaces import DISTRIBUTION, STORM, UPDATE_WEIGHTS
 
 VOCAB = VocabInfo(vocab_size=49152, context_len=8192, frequent_ids=(260, 198, 30, 28))
 
@@ -51,8 +52,8 @@ def test_every_kind_drawn_and_bodies_are_json(cases: list[FuzzCase]) -> None:
     for c in cases:
         if not isinstance(c.body, str):
             assert json.loads(json.dumps(c.body)) == c.body
-        assert c.endpoint in (GENERATE, COMPLETIONS, CHAT)
-        assert c.check in (TOKENS, COUNT, STATUS)
+        assert c.endpoint in (GENERATE, COMPLETIONS, CHAT, STORM, UPDATE_WEIGHTS)
+        assert c.check in (TOKENS, COUNT, STATUS, DISTRIBUTION)
 
 
 def test_greedy_dominates_and_decoding_stays_short(cases: list[FuzzCase]) -> None:

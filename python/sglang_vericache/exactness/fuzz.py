@@ -6,7 +6,9 @@ status, the same tokens when decoding is greedy, the same log-probs. ``generate_
 vocab)`` draws ``n`` requests from ``random.Random(seed)``: /generate with text, token ids and
 batches; greedy and seeded sampling; edge max_new_tokens; stops that land inside a multi-token
 verify step; penalties; n > 1; regex / JSON-schema / EBNF constraints; log-probs; streaming and
-client disconnects; the OpenAI endpoints; and malformed bodies (``fuzz_more.py``). The same
+client disconnects; the OpenAI endpoints; and malformed bodies (``fuzz_more.py``); hidden
+states, batches with an invalid later item, sampled distributions, input embeddings, weight
+updates and abort storms (``fuzz_surfaces.py``). The same
 seed and vocabulary give the same cases, so a failure's case index is its reproducer.
 Comparison lives in ``fuzz_compare.py``, the HTTP runner in ``fuzz_run.py``.
 """
@@ -54,6 +56,8 @@ class VocabInfo:
     vocab_size: int
     context_len: int
     frequent_ids: tuple[int, ...] = ()
+    hidden_size: int = 0  # width of ``input_embeds`` rows (0: unknown)
+    model_path: str = ""  # what the server loaded (``/update_weights_from_disk`` reloads it)
 
     def __post_init__(self) -> None:
         if self.vocab_size < 2 or self.context_len < 64:
@@ -305,15 +309,17 @@ def k_disconnect(rng: random.Random, vocab: VocabInfo) -> FuzzCase:
 
 
 def build_kinds() -> tuple[tuple[str, float, Callable[[random.Random, VocabInfo], FuzzCase]], ...]:
-    """(kind, weight, builder); the OpenAI, malformed and context-edge kinds are in fuzz_more."""
-    from sglang_vericache.exactness import fuzz_more
+    """(kind, weight, builder); the OpenAI, malformed and context-edge kinds are in fuzz_more,
+    hidden states, invalid batch items, distributions, embeddings, weight updates and storms in
+    fuzz_surfaces."""
+    from sglang_vericache.exactness import fuzz_more, fuzz_surfaces
 
     return (
         ("greedy", 13, k_greedy), ("long", 4, k_long), ("input_ids", 6, k_input_ids),
         ("batch", 5, k_batch), ("sampled", 5, k_sampled), ("stop", 8, k_stop),
         ("penalty", 6, k_penalty), ("n", 4, k_n), ("grammar", 6, k_grammar),
         ("logprob", 8, k_logprob), ("disconnect", 4, k_disconnect),
-        *fuzz_more.KINDS,
+        *fuzz_more.KINDS, *fuzz_surfaces.KINDS,
     )  # fmt: skip
 
 

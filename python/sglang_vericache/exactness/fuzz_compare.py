@@ -2,8 +2,11 @@
 
 Per case: both answered (no connection error or timeout), with the same status, and not a
 5xx; then for a greedy case (``TOKENS``) identical tokens (text where the endpoint gives no
-ids) and log-probs equal within a tolerance; for seeded sampling (``COUNT``) the same number of
-completions and tokens. Top-k lists may differ only by a tie at their boundary, since the order
+ids), log-probs equal within a tolerance and hidden states of the same shape within
+``HIDDEN_TOLERANCE``; for seeded sampling (``COUNT``) the same number of completions and tokens;
+for a ``DISTRIBUTION`` case, the token at the case's decode position (or the output's end)
+distributed alike in both servers' completions (``fuzz_stats.homogeneity_p`` at least
+``DISTRIBUTION_ALPHA``). Top-k lists may differ only by a tie at their boundary, since the order
 of two equal log-probs is not part of the contract.
 """
 
@@ -16,8 +19,14 @@ from typing import Any
 
 from sglang_vericache.exactness.fuzz import COUNT, TOKENS, FuzzCase
 from sglang_vericache.exactness.fuzz_outputs import Output, Reply, Table, outputs
+from sglang_vericache.exactness.fuzz_stats import homogeneity_p
+from sglang_vericache.exactness.fuzz_surfaces import DISTRIBUTION
 
 DEFAULT_TOLERANCE = 1e-3
+# Hidden states of a plain step are SGLang's own forward's; a verify forward's may differ from a
+# decode's in the last float bits, which over a 576-wide float32 row stays far below this.
+HIDDEN_TOLERANCE = 1e-3
+DISTRIBUTION_ALPHA = 1e-3
 
 # Problem kinds, in the order the summary lists them.
 NO_RESPONSE = "no_response"  # connection error, timeout, or a dead server
@@ -31,8 +40,11 @@ LENGTH_FOLLOWS_TOKENS = frozenset({"grammar", "stop"})
 TOKEN_MISMATCH = "token_mismatch"
 COUNT_MISMATCH = "count_mismatch"
 LOGPROB_MISMATCH = "logprob_mismatch"
+HIDDEN_MISMATCH = "hidden_mismatch"
+DISTRIBUTION_MISMATCH = "distribution_mismatch"
 PROBLEM_KINDS = (NO_RESPONSE, STATUS_MISMATCH, SERVER_ERROR, UNPARSABLE, OUTPUT_COUNT,
-                 TOKEN_MISMATCH, COUNT_MISMATCH, LOGPROB_MISMATCH)  # fmt: skip
+                 TOKEN_MISMATCH, COUNT_MISMATCH, LOGPROB_MISMATCH, HIDDEN_MISMATCH,
+                 DISTRIBUTION_MISMATCH)  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +65,7 @@ class CaseResult:
     seconds: float = 0.0  # the slower side's time: what sizes a run
     ref_seconds: float = 0.0
     cand_seconds: float = 0.0
+    p_value: float | None = None  # a DISTRIBUTION case's test
 
     @property
     def ok(self) -> bool:
@@ -87,7 +100,7 @@ def compare_case(case: FuzzCase, ref: Reply, cand: Reply,
         return CaseResult(**base, problems=(Problem(SERVER_ERROR, {"body": _short(ref.body)}),))
     if ref.status != 200 or ref.stream_error or case.disconnect_after is not None:
         return CaseResult(**base)
-    if case.check not in (TOKENS, COUNT):
+    if case.check not in (TOKENS, COUNT, DISTRIBUTION):
         return CaseResult(**base)
     try:
         ref_out, cand_out = outputs(case, ref), outputs(case, cand)
@@ -96,6 +109,8 @@ def compare_case(case: FuzzCase, ref: Reply, cand: Reply,
     if len(ref_out) != len(cand_out):
         detail = {"reference": len(ref_out), "candidate": len(cand_out)}
         return CaseResult(**base, problems=(Problem(OUTPUT_COUNT, detail),))
+    if case.check == DISTRIBUTION:
+        return _compare_distribution(base, case, ref_out, cand_out)
     if case.check == COUNT:
         if case.labels() & LENGTH_FOLLOWS_TOKENS:
             return CaseResult(**base)  # two samples of a grammar / stop may end anywhere
@@ -124,8 +139,41 @@ def _compare_greedy(base: dict, ref: list[Output], cand: list[Output], tol: floa
         worst, compared = max(worst, diff), compared + n
         if bad:
             problems.append(Problem(LOGPROB_MISMATCH, {"output": i, **bad}))
+        hidden = _hidden_problem(r.hidden, c.hidden)
+        if hidden is not None:
+            problems.append(Problem(HIDDEN_MISMATCH, {"output": i, **hidden}))
     return CaseResult(**base, problems=tuple(problems), max_logprob_diff=worst,
                       logprobs_compared=compared)  # fmt: skip
+
+
+def _hidden_problem(ref: Any, cand: Any) -> dict[str, Any] | None:
+    """Hidden states (nested lists of floats) of the same shape and within HIDDEN_TOLERANCE."""
+    worst = 0.0
+    todo = [((), ref, cand)]
+    while todo:
+        path, a, b = todo.pop()
+        if isinstance(a, list) and isinstance(b, list):
+            if len(a) != len(b):
+                return {"at": list(path), "reference_len": len(a), "candidate_len": len(b)}
+            todo.extend(((*path, j), x, y) for j, (x, y) in enumerate(zip(a, b)))
+        elif isinstance(a, (int, float)) and isinstance(b, (int, float)):
+            worst = max(worst, abs(a - b))
+        elif a != b:
+            return {"at": list(path), "reference": _short(a), "candidate": _short(b)}
+    return None if worst <= HIDDEN_TOLERANCE else {"max_abs_diff": worst}
+
+
+def _compare_distribution(base: dict, case: FuzzCase, ref: list[Output],
+                          cand: list[Output]) -> CaseResult:  # fmt: skip
+    """The token at the case's ``posK`` decode position ("end" past an output's end)."""
+    pos = next(int(t[3:]) for t in case.tags if t.startswith("pos"))
+    values = [[o.ids[pos] if o.ids is not None and len(o.ids) > pos else "end" for o in side]
+              for side in (ref, cand)]  # fmt: skip
+    p = homogeneity_p(*values)
+    if p >= DISTRIBUTION_ALPHA:
+        return CaseResult(**base, p_value=p)
+    detail = {"position": pos, "p_value": p, "samples": len(ref)}
+    return CaseResult(**base, problems=(Problem(DISTRIBUTION_MISMATCH, detail),), p_value=p)
 
 
 def _token_problem(i: int, r: Output, c: Output) -> Problem | None:

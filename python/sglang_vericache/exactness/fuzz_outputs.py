@@ -43,6 +43,7 @@ class Output:
     text: str | None
     n_tokens: int | None
     logprobs: Table = field(default_factory=dict)
+    hidden: Any = None  # /generate's meta_info["hidden_states"], where asked for
 
 
 def outputs(case: FuzzCase, reply: Reply) -> list[Output]:
@@ -78,7 +79,7 @@ def _generate_output(item: Any) -> Output:
     meta = item.get("meta_info") or {}
     ids = tuple(int(t) for t in item["output_ids"])
     table = {k: _generate_positions(meta[k]) for k in GENERATE_LOGPROB_KEYS if meta.get(k)}
-    return Output(ids, item.get("text"), len(ids), table)
+    return Output(ids, item.get("text"), len(ids), table, meta.get("hidden_states"))
 
 
 def _generate_positions(rows: list) -> list[dict[Any, float | None] | None]:

@@ -20,6 +20,8 @@ LISTS = {
     fc.COUNT_MISMATCH: "count_mismatches", fc.LOGPROB_MISMATCH: "logprob_violations",
     fc.NO_RESPONSE: "no_response", fc.SERVER_ERROR: "server_errors",
     fc.UNPARSABLE: "unparsable", fc.OUTPUT_COUNT: "output_count_mismatches",
+    fc.HIDDEN_MISMATCH: "hidden_state_mismatches",
+    fc.DISTRIBUTION_MISMATCH: "distribution_mismatches",
 }  # fmt: skip
 
 
@@ -38,6 +40,9 @@ def summarize(cases: Sequence[FuzzCase], results: Sequence[fc.CaseResult], *, se
             out[LISTS[p.kind]].append(_entry(by_index[r.index], r, p))
     out["logprob_max_abs_diff"] = max((r.max_logprob_diff for r in results), default=0.0)
     out["logprob_values_compared"] = sum(r.logprobs_compared for r in results)
+    p_values = [r.p_value for r in results if r.p_value is not None]
+    out["distribution_tests"] = len(p_values)
+    out["distribution_min_p"] = min(p_values, default=None)
     health = health or {}
     out["health"] = health
     out["server_deaths"] = sorted(n for n, h in health.items() if not (h["alive"] and h["healthy"]))
@@ -83,6 +88,9 @@ def merge(summaries: Sequence[dict[str, Any]]) -> dict[str, Any]:
     for key in LISTS.values():
         tot[key] = sum(len(s[key]) for s in summaries)
     tot["logprob_max_abs_diff"] = max((s["logprob_max_abs_diff"] for s in summaries), default=0.0)
+    tot["distribution_tests"] = sum(s.get("distribution_tests", 0) for s in summaries)
+    mins = [s["distribution_min_p"] for s in summaries if s.get("distribution_min_p") is not None]
+    tot["distribution_min_p"] = min(mins, default=None)
     tot["server_deaths"] = sum(len(s["server_deaths"]) for s in summaries)
     tot["leaks"] = sum(len(s["leaks"]) for s in summaries)
     failing: Counter = Counter()

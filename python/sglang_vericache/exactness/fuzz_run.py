@@ -15,6 +15,8 @@ depends on what else is in flight (``runs_alone``):
   prefill batch ran in between (then current, and the next step learns the same token again);
   seen in this fuzzer as different greedy tokens from the same plain server (seed 13, cases
   122 and 182);
+- a weight update (``/update_weights_from_disk``): it waits for the requests in flight, and
+  those after it must see the weights it loaded;
 - ``max_new_tokens: 0`` (OpenAI ``max_tokens: 0``): a prefill batch made only of such requests skips sampling, so they get
   no output-token logprob; one that shares its prefill batch with another request gets one.
 
@@ -42,6 +44,7 @@ from sglang_vericache.exactness.fuzz import FuzzCase, VocabInfo, generate_cases
 from sglang_vericache.exactness.fuzz_compare import DEFAULT_TOLERANCE, compare_case
 from sglang_vericache.exactness.fuzz_outputs import Reply
 from sglang_vericache.exactness.fuzz_report import summarize
+from sglang_vericache.exactness.fuzz_surfaces import STORM
 
 FREQUENT_STRINGS = (" the", "\n", ".", ",", " and")
 
@@ -64,6 +67,8 @@ def get_json(url: str, timeout: float = 30.0) -> Any:
 
 def send(base_url: str, case: FuzzCase, timeout: float) -> Reply:
     """POST one case; transport failures become a Reply with no status, never an exception."""
+    if case.endpoint == STORM:
+        return run_storm(base_url, case, timeout)
     u = urllib.parse.urlsplit(base_url)
     conn = http.client.HTTPConnection(u.hostname or "127.0.0.1", u.port, timeout=timeout)
     start = time.perf_counter()
@@ -80,6 +85,51 @@ def send(base_url: str, case: FuzzCase, timeout: float) -> Reply:
         return Reply(None, None, f"{type(exc).__name__}: {exc}", time.perf_counter() - start)
     finally:
         conn.close()  # also what a mid-stream client disconnect is
+
+
+def abort_later(base_url: str, rid: str, delay_s: float) -> threading.Timer:
+    """Cancel request ``rid`` through ``/abort_request`` after ``delay_s`` (started; a request
+    that finished first has nothing to cancel, and the server says so)."""
+
+    def fire() -> None:
+        try:
+            _post_json(base_url + "/abort_request", {"rid": rid}, timeout=30)
+        except (OSError, ValueError, http.client.HTTPException):
+            pass
+
+    timer = threading.Timer(delay_s, fire)
+    timer.start()
+    return timer
+
+
+def run_storm(base_url: str, case: FuzzCase, timeout: float) -> Reply:
+    """A burst at once: ``streams`` streaming requests dropped after their first event and
+    ``aborts`` requests cancelled through ``/abort_request`` while they run. The reply's status
+    is 200 when the server still answers /health afterwards (the leak check at the end of the
+    run sees what the burst left behind), None otherwise."""
+    from sglang_vericache.exactness.fuzz import GENERATE, STATUS
+
+    spec, start = case.body, time.perf_counter()
+    params = {"temperature": 0, "max_new_tokens": spec["max_new_tokens"], "ignore_eos": True}
+    burst = []
+    for i in range(spec["streams"]):
+        body = {"text": spec["texts"][i % len(spec["texts"])], "sampling_params": params,
+                "stream": True}  # fmt: skip
+        burst.append(FuzzCase(i, "disconnect", GENERATE, body, STATUS, disconnect_after=1))
+    for i in range(spec["aborts"]):
+        rid = f"fuzz-storm-{case.index}-{i}-{time.monotonic_ns()}"
+        body = {"text": spec["texts"][i % len(spec["texts"])], "sampling_params": params,
+                "rid": rid}  # fmt: skip
+        burst.append(FuzzCase(i, "abort", GENERATE, body, STATUS))
+    timers = [abort_later(base_url, c.body["rid"], 0.2 + 0.1 * c.index) for c in burst
+              if "rid" in c.body]  # fmt: skip
+    with ThreadPoolExecutor(max_workers=len(burst)) as pool:
+        list(pool.map(lambda c: send(base_url, c, timeout), burst))
+    for t in timers:
+        t.join()
+    status = 200 if _answers(base_url) else None
+    return Reply(status, {"burst": len(burst)}, None if status else "no /health after the storm",
+                 time.perf_counter() - start)  # fmt: skip
 
 
 def _parse(raw: bytes) -> Any:
@@ -164,7 +214,7 @@ def run_side(target: Target, cases: Sequence[FuzzCase], *, concurrency: int, tim
 
 def runs_alone(case: FuzzCase) -> bool:
     """Whether plain SGLang's answer to ``case`` depends on other requests (module doc)."""
-    if "penalty" in case.labels():
+    if case.labels() & {"penalty", "weights"}:
         return True
     body = case.body if isinstance(case.body, dict) else {}
     params = body.get("sampling_params")
@@ -275,13 +325,14 @@ def vocab_from_server(url: str) -> VocabInfo:
 
     info = get_json(url + "/model_info")
     config = json.loads((Path(info["model_path"]) / "config.json").read_text())
+    shape = {"hidden_size": int(config.get("hidden_size", 0)), "model_path": info["model_path"]}
     frequent, ctx = [], 0
     for text in FREQUENT_STRINGS:
         out = _post_json(url + "/v1/tokenize", {"prompt": text, "add_special_tokens": False})
         ctx = int(out["max_model_len"])
         if out["count"] == 1:
             frequent.append(int(out["tokens"][0]))
-    return VocabInfo(int(config["vocab_size"]), ctx, tuple(frequent))
+    return VocabInfo(int(config["vocab_size"]), ctx, tuple(frequent), **shape)
 
 
 def _post_json(url: str, payload: Any, timeout: float = 60.0) -> Any:
