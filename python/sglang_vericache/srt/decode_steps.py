@@ -228,6 +228,8 @@ class DecodeSteps:
             grammar.apply(out.logits_output.next_token_logits)  # logprobs are of masked logits
         accepted = commit_verify(self.model_runner, batch, out.logits_output, rows, draft_lens,
                                  sampled, plain_rows, base.to(self.device))  # fmt: skip
+        if grammar is not None:  # an accepted terminating draft is its row's last token
+            accepted = grammar.close(accepted, draft_lens)
         self._lap(Phase.VERIFY)
         predict, accept_lens = accepted.committed, accepted.accept_lens
         for i in drafted:

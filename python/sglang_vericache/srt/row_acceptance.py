@@ -13,6 +13,8 @@ verifies every row in one TARGET_VERIFY forward of width W::
         sampled rows  p = process_logits(logits[sampled], sampling.repeat(W))
                       ``speculative_accept(rows, q, p, ...)``     (exact in distribution)
         both merged into one ``AcceptResult`` over the batch      (``accept_step``)
+        a grammar row whose chain ends on a terminating draft commits nothing after it
+                                                      (``GrammarChain.close``, in the worker)
 
 Plain rows carry no drafts (draft length 0): ``greedy_accept`` gives them one column, whose token
 the worker replaces with SGLang's own sample (``srt/row_sampling.py``).

@@ -12,6 +12,10 @@ the verifier's predictions, and greedy output equals full-KV decoding.
 Rows may carry fewer real drafts than ``D - 1`` (plain rows, a grammar chain cut
 at termination): ``draft_lens`` says how many; whatever sits after them
 is never read as a draft, whatever its value (so no padding sentinel).
+
+A row's last draft may end the row (it terminates the row's grammar,
+``verify/grammar_chain.py``): :func:`stop_at_last_draft` then commits that
+draft, when accepted, as the row's last token, with no bonus after it.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["AcceptResult", "greedy_accept"]
+__all__ = ["AcceptResult", "greedy_accept", "stop_at_last_draft"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,8 +39,9 @@ class AcceptResult:
         after them are the verifier's predictions at rejected positions and
         must not be emitted (SGLang reads only the prefix). ``committed``
         is ``predict`` itself (no copy).
-    bonus: [bs] bool, every real draft of the row was accepted, so the last
-        committed token is the bonus token rather than a correction.
+    bonus: [bs] bool, every real draft of the row was accepted and a bonus
+        token follows them (False: the last committed token is a correction, or
+        the row's last draft, which ended it: :func:`stop_at_last_draft`).
     """
 
     accept_lens: torch.Tensor
@@ -110,3 +115,26 @@ def greedy_accept(
     leading = (match & real).to(torch.int32).cumprod(dim=1).sum(dim=1, dtype=torch.int32)
     accept_lens = (leading + 1).to(torch.int32)
     return AcceptResult(accept_lens=accept_lens, committed=predict, bonus=leading == lens)
+
+
+def stop_at_last_draft(result: AcceptResult, stops: torch.Tensor) -> AcceptResult:
+    """``result`` with the rows whose last real draft ends them committing no bonus after it.
+
+    stops: [bs] bool, True where the row's last real draft (column ``draft_lens[i]``) ends the
+        row: a token after it would be dropped (SGLang keeps no speculative token past a
+        grammar's termination), so it must not be committed or counted in ``accept_lens``.
+    Where such a row accepted every draft (``bonus``), the stopping draft is its last
+        committed token: ``accept_lens`` one less, ``bonus`` False (a row without drafts
+        commits its one token whatever ``stops`` says). The tokens up to the stop are
+        unchanged, so a row's committed sequence up to it keeps its distribution (greedy: the
+        argmax chain; sampled: every draft passed speculative sampling's test) and the next
+        step samples what follows, as plain decoding does. Other rows are unchanged. Inputs
+        are not modified; ``committed`` is shared.
+    """
+    if stops.shape != result.bonus.shape or stops.dtype != torch.bool:
+        raise ValueError(f"stops must be {tuple(result.bonus.shape)} bool, got "
+                         f"{tuple(stops.shape)} {stops.dtype}")  # fmt: skip
+    # accept_lens > 1: a row without drafts has no stopping draft (its one token is p's)
+    stopped = result.bonus & stops.to(result.bonus.device) & (result.accept_lens > 1)
+    return AcceptResult(accept_lens=result.accept_lens - stopped.to(result.accept_lens.dtype),
+                        committed=result.committed, bonus=result.bonus & ~stopped)  # fmt: skip

@@ -12,17 +12,24 @@ VeriCache step over such a row needs that mask at every column of its draft chai
                       the matcher accepts d_{j+1} (advancing it along the chain)
     verify:           mask column j applied to the full-KV logits of column j, then the usual
                       greedy or speculative-sampling acceptance
+    terminating d_n:  a draft the matcher terminates on is the chain's last (later columns
+                      are not verified) and is verified like any draft: accepted, it is the
+                      row's last committed token, no bonus after it (``close``); rejected, the
+                      correction replaces it
     end of drafting:  every matcher rolls back what it accepted this step (``rollback``), so
                       the scheduler advances it over the committed tokens exactly as for any
                       speculative batch (``_accept_grammar_tokens``)
 
 The masks are computed once, while drafting (the matcher stands at each state then), and kept
 for the verify. Plain SGLang leaves a terminated grammar's row unconstrained
-(``update_regex_vocab_mask``); so does this. A row's chain ends *before* the draft that would
-terminate its grammar: SGLang drops a speculative run's tokens past termination, and a run that
-ends on the terminating token (the verify's own token there) drops nothing, so the committed
-KV and the compressed KV stay in step. It also ends, defensively, before a draft the matcher
-refuses. The row's ``draft_lens`` entry says how many drafts the verify may accept.
+(``update_regex_vocab_mask``); so does this. The terminating draft is offered to the verify
+because whether drafting stops must not depend on a token the verify never sees: a chain cut
+*before* it lets the verify draw a fresh token at that column, and a sampled row then commits
+a terminating token with probability about x^2 where plain sampling gives x. Nothing is
+committed past it: SGLang drops a speculative run's tokens past termination, so a run that
+ends on the terminating token drops nothing and the committed KV and the compressed KV stay in
+step. A chain also ends, defensively, before a draft the matcher refuses (a masked draft: only
+a broken grammar). The row's ``draft_lens`` entry says how many drafts the verify may accept.
 
 No sglang import: ``grammars`` are SGLang grammar objects (``BaseGrammarObject``) used through
 ``accept_token`` / ``rollback`` / ``is_terminated`` / ``allocate_vocab_mask`` /
@@ -36,6 +43,8 @@ from typing import Any
 
 import torch
 
+from sglang_vericache.verify.accept import AcceptResult, stop_at_last_draft
+
 
 @dataclass
 class GrammarChain:
@@ -46,8 +55,9 @@ class GrammarChain:
     width: W, verify columns (1 + drafts).
     masks: [n * W, words] the backend's vocab bitmask, row ``k * W + j`` = row k's column j.
     advanced: tokens each matcher accepted this step (what ``rollback`` undoes).
-    draft_lens: drafts each row may have accepted (<= W - 1).
+    draft_lens: drafts each row may have accepted (<= W - 1), a terminating draft included.
     open: rows whose chain still extends (not terminated, no refused draft).
+    terminal: rows whose last draft terminates their grammar (``close`` ends them there).
     """
 
     rows: list[int]
@@ -57,6 +67,7 @@ class GrammarChain:
     advanced: list[int]
     draft_lens: list[int]
     open: list[bool]
+    terminal: list[bool]
 
     @classmethod
     def start(cls, grammars: list[Any], rows: list[int], width: int, vocab_size: int,
@@ -69,7 +80,8 @@ class GrammarChain:
                                                 device=device)  # fmt: skip
         live = [not g.is_terminated() for g in grammars]
         return cls(rows=list(rows), grammars=list(grammars), width=width, masks=masks,
-                   advanced=[0] * n, draft_lens=[0] * n, open=live)  # fmt: skip
+                   advanced=[0] * n, draft_lens=[0] * n, open=live,
+                   terminal=[False] * n)  # fmt: skip
 
     def fill(self, column: int) -> None:
         """Fill mask column ``column`` from each open row's matcher (standing after its drafts
@@ -117,10 +129,9 @@ class GrammarChain:
                 self.open[k] = False
                 continue
             self.advanced[k] += 1
-            if grammar.is_terminated():
-                self.open[k] = False  # the terminating draft is not verified (module doc)
-            else:
-                self.draft_lens[k] = column + 1
+            self.draft_lens[k] = column + 1
+            if grammar.is_terminated():  # verified like any draft, the chain's last (module doc)
+                self.open[k], self.terminal[k] = False, True
 
     def rollback(self) -> None:
         """Every matcher back where the step found it (idempotent)."""
@@ -134,10 +145,22 @@ class GrammarChain:
         for k, row in enumerate(self.rows):
             draft_lens[row] = min(int(draft_lens[row]), self.draft_lens[k])
 
+    def close(self, result: AcceptResult, draft_lens: torch.Tensor) -> AcceptResult:
+        """``result`` ([bs] rows, verified over ``draft_lens`` [bs] drafts, already cut by
+        ``limit``) with each row whose accepted drafts end on its terminating draft committing
+        that draft as its last token: no bonus after it (``stop_at_last_draft``)."""
+        verified = draft_lens.tolist()
+        stops = torch.zeros(len(verified), dtype=torch.bool)
+        for k, row in enumerate(self.rows):
+            stops[row] = self.terminal[k] and verified[row] == self.draft_lens[k]
+        return stop_at_last_draft(result, stops.to(result.bonus.device))
+
     def check_integrity(self) -> None:
         n = len(self.rows)
         assert len(self.grammars) == len(self.advanced) == len(self.draft_lens) == n
         assert self.masks.shape[0] == n * self.width
         assert all(0 <= d <= self.width - 1 for d in self.draft_lens)
-        # each accepted draft extends the chain but a terminating one; rollback zeroes ``advanced``
-        assert all(a in (0, d, d + 1) for a, d in zip(self.advanced, self.draft_lens))
+        # every draft the matcher accepted is in the chain; rollback zeroes ``advanced``
+        assert all(a in (0, d) for a, d in zip(self.advanced, self.draft_lens))
+        assert all(d >= 1 and not o for t, d, o in zip(self.terminal, self.draft_lens, self.open)
+                   if t)  # fmt: skip

@@ -120,7 +120,7 @@ def drafted_masked_greedy(grammar, prompt: tuple[int, ...], steps: int, drafts: 
         chain.apply(verify)
         draft_lens = torch.full((1,), drafts, dtype=torch.int32)
         chain.limit(draft_lens)
-        result = greedy_accept(rows, verify.argmax(-1)[None], draft_lens)
+        result = chain.close(greedy_accept(rows, verify.argmax(-1)[None], draft_lens), draft_lens)
         run = result.committed[0, : int(result.accept_lens[0])].tolist()
         retained = []
         for token in run:  # SchedulerBatchResultProcessor._accept_grammar_tokens
@@ -157,8 +157,10 @@ def test_masks_per_column_termination_and_rollback() -> None:
         tokens[1] = d
         chain.advance(j, tokens)
     chain.fill(4)
-    # the terminating draft is accepted by the matcher but not offered to the verify
-    assert chain.draft_lens == [1] and chain.advanced == [2] and chain.open == [False]
+    # the terminating draft is the chain's last, offered to the verify like the others
+    assert chain.draft_lens == [2] and chain.advanced == [2] and chain.open == [False]
+    assert chain.terminal == [True]
+    chain.check_integrity()
     masks = chain.masks.view(5, V)
     assert set(masks[0].nonzero().flatten().tolist()) == {3, 4}
     assert set(masks[1].nonzero().flatten().tolist()) == {3, 4, EOS}
@@ -169,7 +171,7 @@ def test_masks_per_column_termination_and_rollback() -> None:
     assert grammar.accepted == [1, 2]
     lens = torch.tensor([4, 4], dtype=torch.int32)
     chain.limit(lens)
-    assert lens.tolist() == [4, 1]
+    assert lens.tolist() == [4, 2]
 
 
 def test_verify_masks_only_constrained_rows_and_terminated_rows_draft_nothing() -> None:
@@ -216,3 +218,42 @@ def test_real_xgrammar_regex_chain_equals_plain(default_model_path) -> None:
         assert got == want
         text = tokenizer.decode(want)
         assert text.startswith(("yes, ", "no, ")), text
+
+
+def _chain_over(drafts: list[list[int]], grammars: list[ToyGrammar]) -> tuple[GrammarChain,
+                                                                               torch.Tensor]:
+    """A chain over rows 0..n-1 advanced over ``drafts`` (row r's drafts ``drafts[r]``, all the
+    same length), rolled back as the worker does; returns it and the verify rows [n, W]."""
+    width = len(drafts[0]) + 1
+    chain = GrammarChain.start(grammars, list(range(len(grammars))), width, V, torch.device("cpu"))
+    rows = torch.zeros(len(grammars), width, dtype=torch.int64)
+    rows[:, 1:] = torch.tensor(drafts)
+    for j in range(width - 1):
+        chain.fill(j)
+        chain.advance(j, rows[:, j + 1])
+    chain.fill(width - 1)
+    chain.rollback()
+    return chain, rows
+
+
+def test_close_ends_a_row_on_its_accepted_terminating_draft() -> None:
+    ended = ToyGrammar()
+    ended.accepted = [1, 2]
+    chain, rows = _chain_over([[3, EOS, 5], [1, 2, 3]], [ended, ToyGrammar()])
+    lens = torch.full((2,), 3, dtype=torch.int32)
+    chain.limit(lens)
+    assert lens.tolist() == [2, 3] and chain.terminal == [True, False]
+    # every draft accepted: row 0 ends on EOS (no bonus), row 1 keeps its bonus 4
+    result = chain.close(greedy_accept(rows, torch.tensor([[3, EOS, 6, 6], [1, 2, 3, 4]]), lens),
+                         lens)  # fmt: skip
+    assert result.row_tokens(0) == [3, EOS] and result.row_tokens(1) == [1, 2, 3, 4]
+    assert result.bonus.tolist() == [False, True]
+    # the terminating draft rejected: its correction closes the row as usual
+    result = chain.close(greedy_accept(rows, torch.tensor([[3, 4, 6, 6], [1, 2, 3, 4]]), lens),
+                         lens)  # fmt: skip
+    assert result.row_tokens(0) == [3, 4] and result.bonus.tolist() == [False, True]
+    # a verify over fewer drafts than the chain (cut below the terminating draft) keeps its bonus
+    short = torch.tensor([1, 3], dtype=torch.int32)
+    result = chain.close(greedy_accept(rows, torch.tensor([[3, 4, 6, 6], [1, 2, 3, 4]]), short),
+                         short)  # fmt: skip
+    assert result.row_tokens(0) == [3, 4] and result.bonus.tolist() == [True, True]

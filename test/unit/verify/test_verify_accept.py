@@ -4,7 +4,7 @@ import random
 
 import pytest
 import torch
-from sglang_vericache.verify.accept import greedy_accept
+from sglang_vericache.verify.accept import greedy_accept, stop_at_last_draft
 
 
 def _reference_accept(row: list[int], pred: list[int], n: int) -> int:
@@ -116,3 +116,19 @@ def test_invalid_inputs_raise() -> None:
     with pytest.raises(ValueError):
         greedy_accept(torch.zeros(1, 3, dtype=torch.long), torch.zeros(1, 3, dtype=torch.long),
                       torch.tensor([0, 1]))
+
+
+def test_stop_at_last_draft_drops_only_a_bonus_after_an_accepted_stop() -> None:
+    tokens = torch.tensor([[0, 5, 6], [0, 5, 6], [0, 5, 6], [0, 9, 9]])
+    predict = torch.tensor([[5, 6, 7], [5, 8, 7], [5, 6, 7], [4, 4, 4]])
+    res = greedy_accept(tokens, predict, torch.tensor([2, 2, 2, 0], dtype=torch.int32))
+    stops = torch.tensor([True, True, False, True])
+    got = stop_at_last_draft(res, stops)
+    # row 0 ends on its accepted stop 6; row 1's stop was rejected (correction 8); row 2 does not
+    # stop; row 3 has no draft to stop at (its one token stays)
+    assert got.accept_lens.tolist() == [2, 2, 3, 1]
+    assert [got.row_tokens(i) for i in range(4)] == [[5, 6], [5, 8], [5, 6, 7], [4]]
+    assert got.bonus.tolist() == [False, False, True, True]
+    assert res.accept_lens.tolist() == [3, 2, 3, 1], "inputs are not modified"
+    with pytest.raises(ValueError, match="stops"):
+        stop_at_last_draft(res, stops[:2])
