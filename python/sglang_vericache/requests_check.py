@@ -178,6 +178,22 @@ def check_batch(text: Any, input_ids: Any, vocab_size: int,
         check_prompt_ids(ids, vocab_size, field=field)
 
 
+def check_batch_items(sampling_params: Sequence[Any], top_logprobs_nums: Sequence[Any],
+                      vocab_size: int) -> None:  # fmt: skip
+    """The per-item checks of a batch (``check_sampling_params``, ``check_top_logprobs_num``)
+    for every item before any is dispatched, the first bad one named by its index:
+    ``sampling_params[2]: top_k: ...``. ``sampling_params[i]``: item i's dict;
+    ``top_logprobs_nums[i]``: its ``top_logprobs_num``, or None where it asks for no logprobs.
+    """
+    for i, params in enumerate(sampling_params):
+        try:
+            check_sampling_params(params, vocab_size)
+        except RequestError as exc:
+            raise RequestError(f"sampling_params[{i}]", str(exc)) from exc
+    for i, k in enumerate(top_logprobs_nums):
+        check_top_logprobs_num(k, vocab_size, field=f"top_logprobs_num[{i}]")
+
+
 def check_expert_recording(recorder_mode: Any) -> None:
     """Expert-distribution recording (``/start_expert_distribution_record``, stop, dump) needs
     a recorder chosen at start-up; without one SGLang's scheduler raises and exits."""

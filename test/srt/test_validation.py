@@ -9,6 +9,7 @@ server alike, and a greedy request afterwards must still be answered.
 from __future__ import annotations
 
 import json
+import time
 import urllib.error
 import urllib.request
 from typing import Any
@@ -138,3 +139,89 @@ def test_valid_edge_requests_still_pass(plain_server: Any) -> None:
     for body in ok:
         status, out = _post(plain_server.url + "/generate", body)
         assert status == 200, (body, out)
+
+
+# Batches whose last item (only) is bad, each with SGLang's or our message. The items before it
+# would decode 64 tokens: were they dispatched before the bad item was found, the server would
+# have to abort them (what SGLang 0.5.23 does: it sends items one by one, then aborts the sent
+# ones when a later item fails its checks).
+FIRST = {"max_new_tokens": 64, "temperature": 0}
+LATE_BAD_BATCHES = [
+    ("top_p", {"text": ["a b c", "d e f", "g h"],
+               "sampling_params": [FIRST, FIRST, {"max_new_tokens": 4, "top_p": 5}]},
+     ["top_p must be in (0, 1]"]),
+    ("max_new_tokens -5", {"text": ["a b c", "d e f"],
+                           "sampling_params": [FIRST, {"max_new_tokens": -5}]},
+     ["max_new_tokens must be at least 0"]),
+    ("top_k past int32", {"text": ["a b c", "d e f"],
+                          "sampling_params": [FIRST, {"max_new_tokens": 4, "top_k": 2**40}]},
+     ["sampling_params[1]", "top_k"]),
+    ("stop id past vocab", {"input_ids": [[1, 2, 3], [4, 5]],
+                            "sampling_params": [FIRST, {"stop_token_ids": [VOCAB + 5]}]},
+     ["sampling_params[1]", "stop_token_ids", str(VOCAB + 5)]),
+    ("min_new_tokens with a regex", {"text": ["a b c", "d e f"], "sampling_params": [
+        FIRST, {"max_new_tokens": 20, "min_new_tokens": 5, "regex": "(yes|no)"}]},
+     ["sampling_params[1]", "min_new_tokens", "regex"]),
+    ("top_logprobs_num past vocab", {"text": ["a b c", "d e f"], "return_logprob": [False, True],
+                                     "top_logprobs_num": [0, 10**6], "sampling_params": FIRST},
+     ["top_logprobs_num[1]"]),
+    ("id past vocab", {"input_ids": [[1, 2, 3], [4, 5], [6, VOCAB + 7]], "sampling_params": FIRST},
+     ["input_ids[2]", str(VOCAB + 7)]),
+    ("id prompt past the context", {"input_ids": [[1, 2, 3], [5] * 9000], "sampling_params": FIRST},
+     ["longer than the model's context length"]),
+]  # fmt: skip
+
+
+def _metric_sum(url: str, name: str) -> float:
+    """The sum of ``name``'s samples on ``/metrics`` (0 where it has none yet)."""
+    with urllib.request.urlopen(url + "/metrics", timeout=60) as resp:
+        lines = resp.read().decode().splitlines()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(name + "{"))
+
+
+def _idle(url: str, timeout: float = 60.0) -> tuple[float, float]:
+    """(running requests, requests the VeriCache worker tracks) once both are 0, or at timeout."""
+    deadline = time.monotonic() + timeout
+    while True:
+        now = (_metric_sum(url, "sglang:num_running_reqs"),
+               _metric_sum(url, "vericache:tracked_requests"))  # fmt: skip
+        if now == (0.0, 0.0) or time.monotonic() > deadline:
+            return now
+        time.sleep(0.5)
+
+
+@pytest.mark.parametrize("name,body,needles", LATE_BAD_BATCHES,
+                         ids=[c[0] for c in LATE_BAD_BATCHES])  # fmt: skip
+def test_a_bad_later_batch_item_is_refused_before_any_item_starts(
+    plain_server: Any, vericache_server: Any, name: str, body: dict, needles: list[str]
+) -> None:
+    """Plain and ``--vericache`` answer the same 400, naming the problem; every item was checked
+    before any was dispatched (the ``--vericache`` server, the one with metrics, aborted
+    nothing), and the server is idle and serving afterwards."""
+    aborted = _metric_sum(vericache_server.url, "sglang:num_aborted_requests_total")
+    answers = [_post(server.url + "/generate", body) for server in (plain_server, vericache_server)]
+    assert answers[0] == answers[1], (name, answers)
+    status, out = answers[1]
+    message = json.dumps(out)
+    assert status == 400, f"{name}: {status} {message[:500]}"
+    for needle in needles:
+        assert needle in message, f"{name}: {needle!r} not in {message[:500]}"
+    assert _metric_sum(vericache_server.url, "sglang:num_aborted_requests_total") == aborted, (
+        f"{name}: items before the bad one were dispatched, then aborted")
+    assert _idle(vericache_server.url) == (0.0, 0.0)
+    _assert_serves(vericache_server.url)
+
+
+def test_a_batch_item_sglang_refuses_after_tokenizing_leaves_no_state(
+    plain_server: Any, vericache_server: Any
+) -> None:
+    """A text too long for the context is found only once SGLang tokenized it, after the items
+    before it were sent: SGLang aborts those. Both servers answer the same 400, and the
+    ``--vericache`` worker is left holding nothing for the aborted items."""
+    body = {"text": ["a b c", "word " * 9000], "sampling_params": FIRST}
+    answers = [_post(server.url + "/generate", body) for server in (plain_server, vericache_server)]
+    assert answers[0] == answers[1] and answers[1][0] == 400, answers
+    assert "longer than the model's context length" in json.dumps(answers[1][1])
+    assert _idle(vericache_server.url) == (0.0, 0.0)
+    _assert_serves(vericache_server.url)
+    _assert_serves(plain_server.url)

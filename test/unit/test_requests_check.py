@@ -13,6 +13,7 @@ from sglang_vericache.requests_check import (
     RequestError,
     batch_prompts,
     check_batch,
+    check_batch_items,
     check_parallel_samples,
     check_prompt_ids,
     check_sampling_params,
@@ -135,6 +136,21 @@ def test_check_batch_reports_the_first_bad_item_by_index() -> None:
     assert _error(check_batch, None, [[1], []], VOCAB).field == "input_ids[1]"
     # a tokenizer that turns "" into a BOS token can serve an empty text
     check_batch(["a", ""], None, VOCAB, empty_text_ids=[0])
+
+
+def test_check_batch_items_names_the_first_bad_item_by_index() -> None:
+    """Every item's sampling parameters and top_logprobs_num are checked before any item is
+    sent; a bad one in the last item is reported with its index."""
+    good = {"max_new_tokens": 4, "top_k": 5, "stop_token_ids": [1]}
+    check_batch_items([good, good], [None, 3], VOCAB)
+    err = _error(check_batch_items, [good, good, {"top_k": INT32_MAX + 1}], [None] * 3, VOCAB)
+    assert err.field == "sampling_params[2]" and str(err).startswith("sampling_params[2]: top_k:")
+    err = _error(check_batch_items, [good, {"stop_token_ids": [VOCAB]}], [None, None], VOCAB)
+    assert err.field == "sampling_params[1]" and str(VOCAB) in str(err)
+    err = _error(check_batch_items, [good, {"regex": "a", "min_new_tokens": 2}], [None] * 2, VOCAB)
+    assert err.field == "sampling_params[1]" and "regex" in str(err)
+    err = _error(check_batch_items, [good, good], [None, VOCAB + 1], VOCAB)
+    assert err.field == "top_logprobs_num[1]"
 
 
 def test_a_long_prompt_is_checked_fast() -> None:

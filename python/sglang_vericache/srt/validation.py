@@ -11,9 +11,10 @@ checks. The plugin registers these hooks in every SGLang process, with or withou
 
 - ``GenerateReqInput._handle_parallel_sampling`` (AFTER): bound ``n`` as soon as SGLang has
   read it, before it expands the batch ``n``-fold in memory.
-- ``TokenizerManager._handle_batch_request`` (AROUND): check every prompt of a batch before
-  SGLang tokenizes and sends the items one by one, so a bad item at index 3 is reported as
-  ``input_ids[3]`` and items 0-2 are never started.
+- ``TokenizerManager._handle_batch_request`` (AROUND): check every item of a batch (prompt,
+  sampling parameters, ``top_logprobs_num``, an id prompt's length) before SGLang tokenizes
+  and sends the items one by one, so a bad item at index 3 is reported (``input_ids[3]``,
+  ``sampling_params[3]``, or SGLang's own message) and items 0-2 are never started.
 - ``TokenizerManager._validate_one_request`` (AROUND): after SGLang's own checks (their
   messages keep precedence), check the tokenized prompt (empty, ids out of vocabulary),
   ``top_logprobs_num`` and ``top_k``. This is the only check single requests get, and the one that sees
@@ -33,6 +34,7 @@ from typing import Any
 from sglang_vericache.requests_check import (
     RequestError,
     check_batch,
+    check_batch_items,
     check_expert_recording,
     check_memory_occupation,
     check_parallel_samples,
@@ -121,16 +123,49 @@ def _handle_batch_around(original: Callable[..., Any], manager: Any, obj: Any,
     is where SGLang's HTTP layer catches ``ValueError`` for a 400."""
 
     async def checked():
-        if _prompt_is_checkable(obj) and not _session_supplies_prompt(obj):
-            n = obj.batch_size  # before parallel-sampling expansion: the client's indices
-            text = obj.text[:n] if isinstance(obj.text, list) else obj.text
-            ids = obj.input_ids[:n] if isinstance(obj.input_ids, list) else obj.input_ids
-            empty = _empty_text_ids(manager) if text is not None else []
-            check_batch(text, ids, _vocab_size(manager), empty)
+        _check_batch_before_dispatch(manager, obj)
         async for out in original(manager, obj, *args, **kw):
             yield out
 
     return checked()
+
+
+def _check_batch_before_dispatch(manager: Any, obj: Any) -> None:
+    """Every check a batch item gets before SGLang sends it, run for all items first: SGLang
+    tokenizes, validates and sends the items one by one, so an item refused at index k used
+    to leave items 0..k-1 dispatched (then aborted). Checked here: the prompts
+    (``check_batch``); this package's per-item checks (``check_batch_items``); SGLang's own
+    length checks for items sent as ids (``_validate_one_request``, whose text items need
+    their tokens, which come later); and SGLang's sampling-parameter checks
+    (``SamplingParams`` built, normalized and verified as ``_create_tokenized_object`` does),
+    so the client gets SGLang's own message for them, and nothing is started."""
+    n = obj.batch_size  # before parallel-sampling expansion: the client's indices
+    vocab_size = _vocab_size(manager)
+    checkable = _prompt_is_checkable(obj) and not _session_supplies_prompt(obj)
+    if checkable:
+        text = obj.text[:n] if isinstance(obj.text, list) else obj.text
+        ids = obj.input_ids[:n] if isinstance(obj.input_ids, list) else obj.input_ids
+        empty = _empty_text_ids(manager) if text is not None else []
+        check_batch(text, ids, vocab_size, empty)
+    if not hasattr(obj, "return_logprob"):
+        return  # an embedding batch: no sampling
+    items = [obj[i] for i in range(n)]  # SGLang's own per-item views (cached on obj)
+    check_batch_items([item.sampling_params for item in items],
+                      [item.top_logprobs_num if item.return_logprob else None for item in items],
+                      vocab_size)  # fmt: skip
+    for item in items:
+        if checkable and isinstance(item.input_ids, list):
+            manager._validate_one_request(item, list(item.input_ids))
+        _verify_sampling_params(manager, item)
+
+
+def _verify_sampling_params(manager: Any, item: Any) -> None:
+    """SGLang's sampling-parameter checks of one batch item, as ``_create_tokenized_object``
+    runs them (a ``ValueError`` naming the parameter, or what SGLang raises otherwise)."""
+    kwargs = {**(manager.preferred_sampling_params or {}), **(item.sampling_params or {})}
+    params = manager.sampling_params_class(**kwargs)
+    params.normalize(manager.tokenizer)
+    params.verify(_vocab_size(manager))
 
 
 def _parallel_sampling_after(result: Any, obj: Any, *args: Any, **kw: Any) -> Any:
