@@ -11,6 +11,7 @@ Flag surface (fixed so that every part of the system agrees)::
                                       kivi:bits=4 | snapkv:ratio=0.5+kivi:bits=4
     --vericache-draft-len N|auto      draft tokens per verify window (auto: per request)
     --vericache-tier host|zmq://HOST:PORT|lmcache://HOST:PORT   where the full KV lives
+    --vericache-tier-trusted-network  allow lmcache:// on a non-loopback host (no authentication)
     --vericache-fetch-drafting on|off  draft while a remote prefix is fetched
     --vericache-tier-lookup-deadline S  seconds a remote lookup may take before recomputing
     --vericache-tier-inflight-mb MB     host MB of remote writes (and of fetches) in flight
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import enum
+import ipaddress
 from dataclasses import asdict, dataclass
 from typing import Any, Mapping
 
@@ -103,6 +105,16 @@ class TierSpec:
         return f"{self.kind.value}://{host}:{self.port}"
 
 
+def is_loopback_host(host: str) -> bool:
+    """127.0.0.0/8, ::1 or ``localhost``; any other name or address counts as exposed."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a hostname: it may resolve anywhere
+        return False
+
+
 def parse_draft_len(value: str) -> int | None:
     """``"auto"`` -> None (adaptive per request); ``"N"`` -> N in 0..MAX_DRAFT_LEN.
 
@@ -178,13 +190,28 @@ class VeriCacheConfig:
     tier_inflight_mb: int = DEFAULT_INFLIGHT_MB
     placement: Placement = Placement.AUTO
     draft_dtype: str = "auto"
+    tier_trusted_network: bool = False
+
+    def __post_init__(self) -> None:
+        # LMCache authenticates nobody (tier/lmcache.py): whoever reaches its port can read
+        # and plant KV, so off loopback the user must say that network is trusted.
+        tier = self.tier
+        if tier.kind is TierKind.LMCACHE and not self.tier_trusted_network \
+                and not is_loopback_host(tier.host or ""):
+            raise VeriCacheConfigError(
+                "--vericache-tier",
+                f"{tier} is not a loopback address, and an LMCache server authenticates no one: "
+                "anyone who can reach it can read the KV or plant wrong KV (VeriCache detects "
+                "corrupt entries, not forged ones). Run LMCache on 127.0.0.1, use the "
+                "authenticated zmq:// tier, or pass --vericache-tier-trusted-network if only "
+                "trusted hosts can reach that network")
 
     @classmethod
     def from_flags(
         cls, *, enabled: bool, compressor: str, draft_len: str, tier: str,
         fetch_drafting: str = "on", tier_lookup_deadline: str | float = DEFAULT_LOOKUP_DEADLINE_S,
         tier_inflight_mb: str | int = DEFAULT_INFLIGHT_MB, placement: str = "auto",
-        draft_dtype: str = "auto",
+        draft_dtype: str = "auto", tier_trusted_network: bool = False,
     ) -> "VeriCacheConfig":  # fmt: skip
         return cls(
             enabled=enabled,
@@ -197,6 +224,7 @@ class VeriCacheConfig:
             tier_inflight_mb=parse_positive("--vericache-tier-inflight-mb", tier_inflight_mb, int),
             placement=parse_placement(placement),
             draft_dtype=parse_draft_dtype(draft_dtype),
+            tier_trusted_network=tier_trusted_network,
         )
 
     @classmethod
@@ -211,6 +239,7 @@ class VeriCacheConfig:
             tier_inflight_mb=ns.vericache_tier_inflight_mb,
             placement=ns.vericache_placement,
             draft_dtype=ns.vericache_draft_dtype,
+            tier_trusted_network=ns.vericache_tier_trusted_network,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -234,6 +263,7 @@ class VeriCacheConfig:
             tier_inflight_mb=int(d.get("tier_inflight_mb", DEFAULT_INFLIGHT_MB)),
             placement=parse_placement(str(d.get("placement", "auto"))),
             draft_dtype=parse_draft_dtype(str(d.get("draft_dtype", "auto"))),
+            tier_trusted_network=bool(d.get("tier_trusted_network", False)),
         )
 
 
@@ -273,6 +303,14 @@ def add_cli_flags(parser: argparse.ArgumentParser) -> None:
         help="Where the full KV lives: 'host' (host memory), 'zmq://HOST:PORT' (the built-in KV "
         "server, python -m sglang_vericache.tier.server), or 'lmcache://HOST:PORT'. "
         "Default: host.",
+    )
+    group.add_argument(
+        "--vericache-tier-trusted-network",
+        action="store_true",
+        help="Allow 'lmcache://HOST:PORT' on a HOST that is not loopback. LMCache authenticates "
+        "no one: anyone who can reach its port can read the KV or plant wrong KV. Pass this only "
+        "when every host on that network is trusted (the zmq:// tier needs no such flag: it "
+        "authenticates with a shared secret).",
     )
     group.add_argument(
         "--vericache-fetch-drafting",

@@ -97,14 +97,40 @@ def test_bad_compressor_key_lists_valid_keys() -> None:
 def test_config_survives_the_dict_round_trip() -> None:
     cfg = parse_cli_flags(
         ["--vericache", "--vericache-draft-len", "8", "--vericache-tier", "lmcache://h:1",
-         "--vericache-fetch-drafting", "off", "--vericache-tier-lookup-deadline", "0.25",
+         "--vericache-tier-trusted-network", "--vericache-fetch-drafting", "off",
+         "--vericache-tier-lookup-deadline", "0.25",
          "--vericache-tier-inflight-mb", "64", "--vericache-placement", "pressure"]
     )  # fmt: skip
     assert not cfg.fetch_drafting and cfg.placement is Placement.PRESSURE
     assert cfg.tier_lookup_deadline_s == 0.25 and cfg.tier_inflight_mb == 64
+    assert cfg.tier_trusted_network
     assert VeriCacheConfig.from_dict(cfg.to_dict()) == cfg
     auto = parse_cli_flags([])
     assert VeriCacheConfig.from_dict(auto.to_dict()) == auto
+
+
+@pytest.mark.parametrize("host", ["10.0.0.5", "lmcache.internal", "0.0.0.0", "[2001:db8::1]"])
+def test_lmcache_off_loopback_is_refused_unless_the_network_is_trusted(host: str) -> None:
+    """LMCache authenticates no one (tier/lmcache.py): refused at start-up, naming the flag."""
+    spec = f"lmcache://{host}:5555"
+    with pytest.raises(VeriCacheConfigError) as err:
+        parse_cli_flags(["--vericache", "--vericache-tier", spec])
+    assert err.value.flag == "--vericache-tier"
+    assert "--vericache-tier-trusted-network" in str(err.value)
+    assert "not a loopback address" in str(err.value)
+    trusted = parse_cli_flags(["--vericache", "--vericache-tier", spec,
+                               "--vericache-tier-trusted-network"])
+    assert trusted.tier.kind is TierKind.LMCACHE and trusted.tier_trusted_network
+    with pytest.raises(VeriCacheConfigError):  # what subprocesses rebuild is checked too
+        VeriCacheConfig.from_dict({**trusted.to_dict(), "tier_trusted_network": False})
+
+
+@pytest.mark.parametrize("spec", ["lmcache://127.0.0.1:5555", "lmcache://127.8.9.10:5555",
+                                  "lmcache://localhost:5555", "lmcache://[::1]:5555",
+                                  "zmq://10.0.0.5:7300"])  # zmq:// authenticates: no flag
+def test_loopback_lmcache_and_remote_zmq_need_no_flag(spec: str) -> None:
+    cfg = parse_cli_flags(["--vericache", "--vericache-tier", spec])
+    assert str(cfg.tier) == spec and not cfg.tier_trusted_network
 
 
 def test_placement_is_auto_by_default_and_a_bad_one_names_the_choices() -> None:

@@ -21,6 +21,15 @@ wrong KV after a partial flush (``notes/lmcache-cpu.md``):
 - Asynchrony. One background thread runs the blocking LMCache RPCs; callers get the same
   submit/poll contract as every tier (``base.py``). Any LMCache exception fails the task.
 
+Trust boundary. The manifest travels WITH the data and carries no MAC: LMCache 0.5.6 has no
+authentication, and this tier adds none. What it protects against: partial, truncated,
+misfiled or corrupted entries (a wrong key, geometry or checksum is a miss, never wrong KV).
+What it does not: anyone who can reach the LMCache server can read every stored KV, and can
+plant KV of their own under any key with a matching manifest (the checksums are unkeyed), which
+would be served as a hit. So ``--vericache-tier lmcache://HOST:PORT`` is refused at start-up
+for a HOST that is not loopback unless ``--vericache-tier-trusted-network`` says every host
+that can reach it is trusted (``config.py``); the zmq:// tier MACs every message instead.
+
 Staging layout registered with LMCache (vLLM NHD paged layout, one block = one chunk):
     layer l in [0, L]:  [2, NB=2, BS=chunk_tokens, H_kv, D]   block 0 is LMCache's null
     block, so every transfer uses block 1; layer L is the manifest layer.
