@@ -20,6 +20,7 @@ from typing import Any
 import zmq
 
 from sglang_vericache.tier.auth import ClientSession
+from sglang_vericache.tier.handshake import authenticate_client_socket
 from sglang_vericache.tier.protocol import PROTOCOL_VERSION, Op, unpack_header
 from sglang_vericache.tier.secret import TierSecret, resolve_secret
 
@@ -37,12 +38,14 @@ def server_request(endpoint: str, op: Op, fields: dict[str, Any] | None = None, 
     ctx = zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    authenticate_client_socket(sock, secret.value)
     try:
         sock.connect(endpoint)
         header = {"v": PROTOCOL_VERSION, "id": 1, "op": op.value, **(fields or {})}
         sock.send_multipart(session.sign(header, []))
         if not sock.poll(int(timeout_s * 1000), zmq.POLLIN):
-            raise TimeoutError(f"no reply from {endpoint} within {timeout_s}s")
+            raise TimeoutError(f"no reply from {endpoint} within {timeout_s}s (down, or it "
+                               f"refused a connection from {secret.source}: another secret?)")
         frames = sock.recv_multipart()
         reply = unpack_header(frames[0])
         session.check_reply(reply, frames)

@@ -17,10 +17,11 @@ A put whose task already failed may still leave zmq's queue later, reading the c
 tensor as it is then; its checksums were computed at submit time, so the server rejects
 it as corrupt if the tensor has changed meanwhile: wrong KV can never be stored.
 
-Every request is signed and every reply checked with the shared secret (``auth.py``,
-``secret.py``); a reply that does not authenticate only ever fails its task, with an error
-that says where each side's secret should come from. Every authenticated reply carries the
-server's epoch, passed on in the task's result (``TaskResult.epoch``).
+Security (``secret.py``): the connection opens with credentials derived from the shared
+secret (``handshake.py``); if the server refuses them, every task not yet sent fails at once
+(``unauthorized``) naming where this side's secret came from. Every request is signed and every
+reply checked with the secret (``auth.py``): a reply that does not authenticate only fails its
+task, with the same hint. Authenticated replies carry the server's epoch (``TaskResult.epoch``).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from zmq.utils.monitor import recv_monitor_message
 from sglang_vericache.tier.auth import ClientSession
 from sglang_vericache.tier.base import TaskId, TaskKind, TaskStatus, check_batch, prefix_closed
 from sglang_vericache.tier.geometry import KVGeometry
+from sglang_vericache.tier.handshake import authenticate_client_socket, refusal_error
 from sglang_vericache.tier.keys import ChunkKey
 from sglang_vericache.tier.outbox import ClientTask, plan_sends
 from sglang_vericache.tier.protocol import (
@@ -59,10 +61,9 @@ from sglang_vericache.tier.task_table import TaskTableTier
 logger = logging.getLogger("sglang_vericache.tier.client")
 
 _COUNTERS = ("submitted", "completed", "failures", "timeouts", "disconnects", "unreachable",
-             "checksum_mismatch", "geometry_mismatch", "protocol_errors", "server_errors",
-             "cancelled", "late_replies", "fallbacks", "put_rejected", "chunks_put",
-             "chunks_fetched", "chunks_missed", "bytes_sent", "bytes_received")
-
+             "unauthorized", "checksum_mismatch", "geometry_mismatch", "protocol_errors",
+             "server_errors", "cancelled", "late_replies", "fallbacks", "put_rejected",
+             "chunks_put", "chunks_fetched", "chunks_missed", "bytes_sent", "bytes_received")
 
 _RESIGN_AFTER_S = 1.0  # unsent frames older than this are signed again (auth.START_GRACE_S)
 
@@ -108,8 +109,11 @@ class ZmqTier(TaskTableTier[ClientTask]):
                            (zmq.MAXMSGSIZE, max(geometry.chunk_nbytes(geometry.chunk_tokens),
                                                 MAX_HEADER_BYTES))):
             self._sock.setsockopt(opt, value)
+        authenticate_client_socket(self._sock, secret.value)
+        self._refused: str | None = None  # why the server refused our last handshake
         self._monitor = self._sock.get_monitor_socket(
-            zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+            zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
+            | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
         self._sock.connect(endpoint)  # asynchronous: never fails for an absent server
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
@@ -255,7 +259,9 @@ class ZmqTier(TaskTableTier[ClientTask]):
         with self._lock:
             tasks = list(self._tasks.values())
         for task in tasks:
-            if not task.sent and now > task.connect_deadline:
+            if not task.sent and self._refused is not None:  # nothing is sent until it passes
+                self._fail(task, self._refused, "unauthorized")
+            elif not task.sent and now > task.connect_deadline:
                 self._fail(task, f"tier server {self.endpoint} unreachable", "unreachable")
             elif now > task.deadline:
                 self._fail(task, f"no reply within {self.timeout_s}s", "timeouts")
@@ -272,7 +278,10 @@ class ZmqTier(TaskTableTier[ClientTask]):
                     inflight = [t for t in self._tasks.values() if t.sent]
                 for task in inflight:
                     self._fail(task, "tier server disconnected", "disconnects")
-            elif event["event"] == zmq.EVENT_CONNECTED:
+            elif event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                self._refused = refusal_error(self.endpoint, event["value"], self.secret_source)
+            elif event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self._refused = None
                 logger.info("connected to tier server %s", self.endpoint)
 
     def _drain_replies(self) -> None:

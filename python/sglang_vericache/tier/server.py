@@ -4,14 +4,17 @@
         [--bandwidth-mbps 100] [--secret-file PATH]
 
 Wire protocol: ``protocol.py``; authentication: ``auth.py``; the secret: ``secret.py`` (there
-always is one). The server never dies on bad input: every request is handled inside one
-try/except that turns any problem into an error reply (and a counter). A message is checked
-in this order, and refused at the first failure without touching the store: frame count and
-sizes as its frames are received (oversized frames are cut off earlier by libzmq:
-ZMQ_MAXMSGSIZE disconnects the peer before the bytes are buffered), header, MAC (over the
-header and frame lengths), timestamp and replay state, then the op itself, which checks
-every put chunk against its authenticated manifest before storing it. ``--bandwidth-mbps``
-emulates a slower remote store (``throttle.py``).
+always is one). A peer must prove it has the secret before it can send a data frame at all
+(ZMTP PLAIN checked by a ZAP handler: ``handshake.py``), so no peer without the secret can
+make the server hold more than one handshake command (bounded by ``--max-frame-mb``). The
+server never dies on bad input: every request is handled inside one try/except that turns any
+problem into an error reply (and a counter). A message is checked in this order, and refused
+at the first failure without touching the store: frame count and sizes as its frames are
+received (oversized frames are cut off earlier by libzmq: ZMQ_MAXMSGSIZE disconnects the peer
+before the bytes are buffered), header, MAC (over the header and frame lengths), timestamp
+and replay state, then the op itself, which checks every put chunk against its authenticated
+manifest before storing it. ``--bandwidth-mbps`` emulates a slower remote store
+(``throttle.py``).
 Configuration and command line: ``server_config.py``.
 """
 
@@ -28,6 +31,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from sglang_vericache.tier.auth import RequestAuthenticator, seal
+from sglang_vericache.tier.handshake import ZapHandler, require_authenticated_peers
 from sglang_vericache.tier.intake import MessageLimits, receive_message
 from sglang_vericache.tier.protocol import (
     EPOCH_BYTES,
@@ -43,8 +47,7 @@ from sglang_vericache.tier.protocol import (
     require_keys,
     unpack_header,
 )
-from sglang_vericache.tier.secret import resolve_secret
-from sglang_vericache.tier.server_config import ServerConfig, build_arg_parser
+from sglang_vericache.tier.server_config import ServerConfig, build_arg_parser, config_from_args
 from sglang_vericache.tier.store import Admission, LRUByteStore
 from sglang_vericache.tier.throttle import LinkThrottle
 
@@ -68,7 +71,8 @@ class ServerCounters:
     bytes_in: int = 0
     bytes_out: int = 0
     peer_disconnects: int = 0    # includes peers cut off by ZMQ_MAXMSGSIZE (oversized frame)
-    handshake_failures: int = 0  # not a ZMTP peer (garbage on the TCP port)
+    handshake_failures: int = 0  # not ZMTP, or no credentials (a peer without the secret)
+    connections_refused: int = 0  # credentials refused by the ZAP handler (another secret)
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,7 +83,8 @@ class StoredChunk:
 
 class KVTierServer:
     """Serve one ROUTER socket. ``step()`` handles what is ready (testable in-process);
-    ``serve_forever()`` loops until ``stop()`` (also called by SIGTERM in the CLI)."""
+    ``serve_forever()`` loops until ``stop()`` (also called by SIGTERM in the CLI).
+    ``context``: None = a context of its own (its ZAP handler is the only one it may hold)."""
 
     def __init__(self, config: ServerConfig, context: zmq.Context | None = None) -> None:
         self.config = config
@@ -88,10 +93,14 @@ class KVTierServer:
         self.auth = RequestAuthenticator(config.secret, config.max_clock_skew_s)
         # Drawn at every start: a client seeing another epoch knows this store is new.
         self.epoch = os.urandom(EPOCH_BYTES)
-        self._ctx = context or zmq.Context.instance()
+        self._own_ctx = context is None
+        self._ctx = context or zmq.Context()
+        # bound before the ROUTER: no connection is ever accepted unchecked
+        self._zap = ZapHandler(self._ctx, config.secret)
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, config.max_frame_bytes)
+        require_authenticated_peers(self._sock)
         self._sock.setsockopt(zmq.SNDHWM, 0)  # never drop a reply
         port = "*" if config.port == 0 else str(config.port)
         # libzmq handles oversized frames and non-ZMTP garbage itself (it drops the peer);
@@ -102,6 +111,7 @@ class KVTierServer:
         self._poller = zmq.Poller()
         self._poller.register(self._sock, zmq.POLLIN)
         self._poller.register(self._monitor, zmq.POLLIN)
+        self._poller.register(self._zap.socket, zmq.POLLIN)
         self._sock.bind(f"tcp://{config.host}:{port}")
         self.endpoint: str = self._sock.getsockopt(zmq.LAST_ENDPOINT).decode()
         self._limits = MessageLimits(config.max_frames, config.max_frame_bytes,
@@ -118,6 +128,8 @@ class KVTierServer:
             timeout_ms = max(0, min(timeout_ms, int(due_s * 1000) + 1))
         handled = 0
         events = dict(self._poller.poll(timeout_ms))
+        if self._zap.socket in events:
+            self.counters.connections_refused += self._zap.handle_ready()
         if self._monitor in events:
             self._drain_monitor()
         if self._sock in events:
@@ -144,6 +156,9 @@ class KVTierServer:
     def close(self) -> None:
         self._monitor.close(linger=0)
         self._sock.close(linger=0)
+        self._zap.close()
+        if self._own_ctx:
+            self._ctx.term()
 
     def _drain_monitor(self) -> None:
         while True:
@@ -156,7 +171,8 @@ class KVTierServer:
                 logger.info("peer disconnected (closed, died, or sent an oversized frame)")
             else:
                 self.counters.handshake_failures += 1
-                logger.warning("rejected a connection that does not speak ZMTP")
+                logger.warning("rejected a connection without credentials (a peer that does "
+                               "not speak ZMTP, or a client without the shared secret)")
 
     def check_integrity(self) -> None:
         self.store.check_integrity()
@@ -356,16 +372,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        secret = resolve_secret(args.secret_file)
-        capacity = int(args.capacity_gb * (1 << 30))
-        # default: a put bigger than the whole budget would evict its own first chunks
-        max_message = max(capacity, 4 << 30) if args.max_message_mb is None \
-            else int(args.max_message_mb * (1 << 20))
-        config = ServerConfig(
-            capacity_bytes=capacity, secret=secret.value, host=args.host, port=args.port,
-            bandwidth_mb_s=args.bandwidth_mbps, max_frame_bytes=int(args.max_frame_mb * (1 << 20)),
-            max_frames=args.max_frames, max_message_bytes=max_message,
-            fault_injection=args.fault_injection)
+        config, secret = config_from_args(args)
         server = KVTierServer(config)
     except (ValueError, OSError, zmq.ZMQError) as exc:  # incl. a bad or unreadable secret
         logger.error("cannot start: %s", exc)

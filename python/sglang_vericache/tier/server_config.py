@@ -8,21 +8,18 @@ secret comes from: ``secret.py``.
 from __future__ import annotations
 
 import argparse
-import ipaddress
 from dataclasses import dataclass
 
+from sglang_vericache.config import is_loopback_host
 from sglang_vericache.tier.auth import MAX_CLOCK_SKEW_S
 from sglang_vericache.tier.protocol import MAX_FRAMES
-from sglang_vericache.tier.secret import MIN_SECRET_BYTES, SECRET_ENV, SECRET_FILE_ENV
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:  # an interface name or hostname: treat as exposed
-        return False
+from sglang_vericache.tier.secret import (
+    MIN_SECRET_BYTES,
+    SECRET_ENV,
+    SECRET_FILE_ENV,
+    TierSecret,
+    resolve_secret,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,7 +57,7 @@ class ServerConfig:
         if not isinstance(self.secret, bytes) or len(self.secret) < MIN_SECRET_BYTES:
             raise ValueError(f"the shared secret must be at least {MIN_SECRET_BYTES} bytes "
                              f"(--secret-file or ${SECRET_ENV})")
-        if self.fault_injection and not is_loopback(self.host):
+        if self.fault_injection and not is_loopback_host(self.host):
             raise ValueError("--fault-injection is only allowed on a loopback address")
 
 
@@ -80,7 +77,9 @@ def build_arg_parser() -> argparse.ArgumentParser:
                         f"${SECRET_ENV}, else the file ${SECRET_FILE_ENV}, else "
                         f"~/.cache/sglang_vericache/tier_secret (created on first start)")
     p.add_argument("--max-frame-mb", type=float, default=1024.0,
-                   help="largest accepted frame in MiB; bigger ones disconnect the sender")
+                   help="largest accepted frame in MiB; bigger ones disconnect the sender "
+                        "(also bounds the one handshake command a peer without credentials "
+                        "can send)")
     p.add_argument("--max-message-mb", type=float, default=None,
                    help="largest accepted message (all frames) in MiB, refused unread "
                         "(default: the capacity, at least 4 GiB)")
@@ -90,3 +89,19 @@ def build_arg_parser() -> argparse.ArgumentParser:
                    help="enable the test-only 'corrupt' op (loopback only)")
     p.add_argument("--log-level", default="INFO")
     return p
+
+
+def config_from_args(args: argparse.Namespace) -> tuple[ServerConfig, TierSecret]:
+    """The configuration ``build_arg_parser`` describes, and the secret (its source is for the
+    log). Raises ValueError / OSError for a bad value or an unusable secret."""
+    secret = resolve_secret(args.secret_file)
+    capacity = int(args.capacity_gb * (1 << 30))
+    # default: a put bigger than the whole budget would evict its own first chunks
+    max_message = max(capacity, 4 << 30) if args.max_message_mb is None \
+        else int(args.max_message_mb * (1 << 20))
+    config = ServerConfig(
+        capacity_bytes=capacity, secret=secret.value, host=args.host, port=args.port,
+        bandwidth_mb_s=args.bandwidth_mbps, max_frame_bytes=int(args.max_frame_mb * (1 << 20)),
+        max_frames=args.max_frames, max_message_bytes=max_message,
+        fault_injection=args.fault_injection)
+    return config, secret

@@ -3,7 +3,9 @@
 Every refused message gets a clear error reply, is counted, and never touches the store:
 forged puts (no secret, wrong secret), oversized messages, too many frames, replays. The
 secret itself: generated once into a 0600 file and shared through it, refused when others can
-read it, overridden by $VERICACHE_TIER_SECRET.
+read it, overridden by $VERICACHE_TIER_SECRET. Forged messages are sent over a connection that
+passed the handshake (``raw_request``), so they test the message layer behind it; a peer
+without connection credentials: ``test_tier_peer_memory.py``.
 """
 
 from __future__ import annotations
@@ -118,7 +120,10 @@ def test_client_with_another_secret_gets_an_error_naming_the_secret(
     result = res.wait(tier.submit_lookup(chunk_keys(G, list(range(8)))))
     assert result.status is TaskStatus.FAILED
     assert "unauthorized" in (result.error or "") and SECRET_ENV in (result.error or "")
-    assert tier.stats()["protocol_errors"] == 1  # the error reply is not trusted either
+    assert "the secret given to the client" in (result.error or "")  # where it came from
+    # refused at the connection (handshake.py): the request never left the client
+    assert tier.stats()["unauthorized"] == 1 and tier.stats()["bytes_sent"] == 0
+    assert server.stats()["connections_refused"] >= 1
     tier.close()
 
 

@@ -23,6 +23,11 @@ from sglang_vericache.tier.admin import server_request
 from sglang_vericache.tier.client import ZmqTier
 from sglang_vericache.tier.factory import TierOptions
 from sglang_vericache.tier.geometry import KVGeometry
+from sglang_vericache.tier.handshake import (
+    ZapHandler,
+    authenticate_client_socket,
+    require_authenticated_peers,
+)
 from sglang_vericache.tier.layout import alloc_chunks, join_chunks, split_chunks
 from sglang_vericache.tier.keys import ChunkKey, chunk_keys
 from sglang_vericache.tier.auth import seal
@@ -167,9 +172,11 @@ def test_other_geometry_or_model_is_a_miss(server: ServerProcess) -> None:
 def test_client_rejects_a_manifest_of_another_geometry() -> None:
     """A lying or buggy server: the client's own manifest check turns its reply into a miss."""
     g = geometry("liar")
-    ctx = zmq.Context.instance()
+    ctx = zmq.Context()  # a rogue that knows the secret, even: it lets the client connect
+    zap = ZapHandler(ctx, resolve_secret().value)
     rogue = ctx.socket(zmq.ROUTER)
     rogue.setsockopt(zmq.LINGER, 0)
+    require_authenticated_peers(rogue)
     port = rogue.bind_to_random_port("tcp://127.0.0.1")
     tier = ZmqTier(f"tcp://127.0.0.1:{port}", g, timeout_s=5)
     res = Results(tier)
@@ -180,7 +187,10 @@ def test_client_rejects_a_manifest_of_another_geometry() -> None:
         for manifest in (ChunkManifest.of(wrong_ns, 8, 2, memoryview(payload)),
                          ChunkManifest.of(g.namespace(), 7, 2, memoryview(payload))):
             task = tier.submit_fetch([key], alloc_chunks(g, 8))
-            assert rogue.poll(5000)
+            deadline = time.monotonic() + 5
+            while not rogue.poll(10):  # answering the client's handshake meanwhile
+                zap.handle_ready()
+                assert time.monotonic() < deadline
             ident, header = rogue.recv_multipart()[:2]
             request = msgpack.unpackb(header)
             rogue.send_multipart([ident, *seal({  # a rogue that knows the secret, even
@@ -193,6 +203,8 @@ def test_client_rejects_a_manifest_of_another_geometry() -> None:
     finally:
         tier.close()
         rogue.close()
+        zap.close()
+        ctx.term()
 
 
 def test_tier_full_evicts_lru_and_refuses_oversize_without_loss() -> None:
@@ -282,6 +294,7 @@ def test_malformed_messages_get_error_replies_and_server_survives(server: Server
     # Raw non-ZMTP bytes on the port: dropped by libzmq, counted, nothing breaks.
     # One long-lived socket for stats, so that only the garbage connection can be dropped.
     stats_sock = zmq.Context.instance().socket(zmq.DEALER)
+    authenticate_client_socket(stats_sock, resolve_secret().value)
     stats_sock.connect(server.endpoint)
 
     def dropped_peers() -> int:

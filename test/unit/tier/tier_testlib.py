@@ -11,6 +11,7 @@ from sglang_vericache.exactness.tier_server import PACKAGE_ROOT, ServerProcess  
 from sglang_vericache.tier.auth import ClientSession
 from sglang_vericache.tier.base import FullKVTier, TaskId, TaskResult
 from sglang_vericache.tier.geometry import KVGeometry
+from sglang_vericache.tier.handshake import authenticate_client_socket
 from sglang_vericache.tier.protocol import unpack_header
 from sglang_vericache.tier.secret import resolve_secret
 
@@ -51,10 +52,12 @@ def signed(header: dict, *payload: bytes, secret: bytes | None = None) -> list:
 
 
 def raw_request(endpoint: str, frames: list, timeout_s: float = 5.0) -> dict:
-    """Send ``frames`` as they are on a fresh DEALER; the reply header, NOT authenticated
-    (a forger cannot check the server's MAC either)."""
+    """Send ``frames`` as they are on a fresh DEALER that has the tests' connection credentials
+    (a peer past the handshake); the reply header, NOT authenticated (a forger cannot check
+    the server's MAC either)."""
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    authenticate_client_socket(sock, resolve_secret().value)
     try:
         sock.connect(endpoint)
         sock.send_multipart(frames)
