@@ -17,11 +17,10 @@ A put whose task already failed may still leave zmq's queue later, reading the c
 tensor as it is then; its checksums were computed at submit time, so the server rejects
 it as corrupt if the tensor has changed meanwhile: wrong KV can never be stored.
 
-Security (``secret.py``): the connection opens with credentials derived from the shared
-secret (``handshake.py``); if the server refuses them, every task not yet sent fails at once
-(``unauthorized``) naming where this side's secret came from. Every request is signed and every
-reply checked with the secret (``auth.py``): a reply that does not authenticate only fails its
-task, with the same hint. Authenticated replies carry the server's epoch (``TaskResult.epoch``).
+Security: the connection opens with credentials derived from the shared secret (``handshake.py``;
+refused: every unsent task fails at once, ``unauthorized``, naming where our secret came from);
+every request is signed and every reply checked with it (``auth.py``): a reply that does not
+authenticate only fails its task. Authenticated replies carry the server's epoch (``TaskResult``).
 """
 
 from __future__ import annotations
@@ -273,7 +272,8 @@ class ZmqTier(TaskTableTier[ClientTask]):
             except zmq.Again:
                 return
             if event["event"] == zmq.EVENT_DISCONNECTED:
-                logger.warning("lost connection to tier server %s", self.endpoint)
+                if self._refused is None:  # else a refused retry (each task logs the refusal)
+                    logger.warning("lost connection to tier server %s", self.endpoint)
                 with self._lock:
                     inflight = [t for t in self._tasks.values() if t.sent]
                 for task in inflight:
