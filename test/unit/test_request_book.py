@@ -6,8 +6,9 @@ from types import SimpleNamespace
 
 from sglang_vericache.srt.draft_length import DraftLengthController
 from sglang_vericache.srt.eligibility import StepRows
-from sglang_vericache.srt.request_book import DEMOTED, OFFLOAD_ONLY, RequestBook
+from sglang_vericache.srt.request_book import DEMOTED, OFFLOAD_ONLY, Demotion, RequestBook
 from sglang_vericache.verify import VeriCacheStats, VerifyRecord
+from sglang_vericache.verify.stats import DecodeMode
 
 
 def _req(rid: str, **sampling):
@@ -18,13 +19,13 @@ def _req(rid: str, **sampling):
                            return_hidden_states=False, custom_logit_processor=None)  # fmt: skip
 
 
-def test_a_demoted_request_is_plain_offloaded_and_never_drafts_again() -> None:
+def test_a_demoted_request_is_plain_offloaded_and_drafts_again_once_reinstated() -> None:
     book = RequestBook(DraftLengthController(None, 4), offload_only=False)
     stats = VeriCacheStats()
     stats.record(VerifyRecord(drafted=4, committed=3, bytes_fetched=0, wait_full_s=0.0))
-    book.states["a"] = SimpleNamespace(stats=stats)  # a drafted request's state
+    book.states["a"] = SimpleNamespace(stats=stats, nbytes=400, covered=40)  # a drafted request
     book.draft_length.observe("a", 4, 2)
-    book.demote("a")
+    book.demote("a", 40)
     reqs = [_req("x"), _req("a"), _req("y")]
     assert book.demoted_rows(reqs) == {1} and book.offloads_plainly("a")
     demoted = book.stats("a")
@@ -32,13 +33,29 @@ def test_a_demoted_request_is_plain_offloaded_and_never_drafts_again() -> None:
     # what it drafted before stays counted (meta_info would otherwise restart at zero)
     assert (demoted.mode.value, demoted.drafted, demoted.accepted, demoted.committed) == (
         "plain", 4, 2, 3)
+    assert book.demotions["a"] == Demotion(count=1, at_length=40, bytes_per_token=10.0)
     demoted.check_integrity()
     book.check_integrity()
     step = StepRows(drafted=[0, 1, 2], sampled=[1], plain=[], grammar=[2]).without({1})
     assert (step.drafted, step.sampled, step.plain, step.grammar) == ([0, 2], [], [1], [2])
     assert step.demoted == [1]
+
+    # room returned: a rebuilt state, labelled greedy, takes over and its counters carry on
+    rebuilt = SimpleNamespace(stats=VeriCacheStats(), nbytes=500, covered=60)
+    rebuilt.stats.mode = DecodeMode.GREEDY
+    book.reinstate("a", rebuilt)
+    assert book.demoted_rows(reqs) == set() and not book.offloads_plainly("a")
+    again = book.stats("a")
+    assert (again.mode, again.plain_reason, again.drafted, again.committed) == (
+        DecodeMode.GREEDY, "", 4, 3)
+    again.record(VerifyRecord(drafted=4, committed=5, bytes_fetched=0, wait_full_s=0.0))
+    again.check_integrity()
+    book.check_integrity()
+    book.demote("a", 90)  # a second demotion counts on
+    assert book.demotions["a"].count == 2 and book.demotions["a"].at_length == 90
+    book.check_integrity()
     book.keep_only({"x"})
-    assert len(book) == 0 and "a" not in book.draft_length.estimates
+    assert len(book) == 0 and "a" not in book.draft_length.estimates and not book.demotions
 
 
 def test_plain_reasons_and_forget() -> None:

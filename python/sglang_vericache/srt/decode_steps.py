@@ -38,6 +38,7 @@ from sglang_vericache.srt.draft_attention import DraftPlan
 from sglang_vericache.srt.draft_precision import drafting
 from sglang_vericache.srt.draft_state import RequestDraftState
 from sglang_vericache.srt.eligibility import StepRows, decode_mode
+from sglang_vericache.srt.reinstate import still_demoted
 from sglang_vericache.srt.row_acceptance import SampledDrafts, draft_column
 from sglang_vericache.srt.row_sampling import commit_verify
 from sglang_vericache.srt.step_costs import (
@@ -63,7 +64,7 @@ class DecodeSteps:
     def _decode_step(self, batch):
         # The rows this step drafts; the others take one exact token (srt/row_sampling.py).
         step = StepRows.of(batch.reqs, drafting=not self.offload_only).without(
-            self.book.demoted_rows(batch.reqs))  # fmt: skip
+            self._still_demoted(batch))  # fmt: skip
         self._sync_states(batch, step.drafted)
         moved = relieve_pressure(batch, self.states, self.offloader,
                                  self.speculative_num_draft_tokens)  # fmt: skip
@@ -88,14 +89,20 @@ class DecodeSteps:
 
     def _demote_for_room(self, batch, drafted: list[int]) -> None:
         """Drafting does not pay and admission is short: rows whose compressed KV held pool
-        slots drop it and decode from their offloaded full KV from now on (offload-only)."""
-        rows = batch.req_pool_indices.tolist()
+        slots drop it and decode from their full KV until room returns (``_still_demoted``)."""
+        rows, lens = batch.req_pool_indices.tolist(), batch.seq_lens_cpu.tolist()
         for i in rows_to_release(batch, drafted, self.offloader.ledger):
             # the state first: a state no one holds is not copied out of the slots it leaves
-            self.book.demote(batch.reqs[i].rid)
+            self.book.demote(batch.reqs[i].rid, int(lens[i]))
             self.offloader.release_reserved(rows[i])
             logger.info("request %s: compressed KV dropped for admission (drafting does not "
-                        "pay); it decodes offload-only", batch.reqs[i].rid)  # fmt: skip
+                        "pay); it decodes plainly until room returns", batch.reqs[i].rid)
+
+    def _still_demoted(self, batch) -> set[int]:
+        """The batch's demoted rows that stay plain this step; those whose room returned draft
+        again, their compressed KV rebuilt (``srt/reinstate.py``)."""
+        return still_demoted(batch, self.book, self.offloader, self.compressor, self.num_layers,
+                             self.speculative_num_draft_tokens)  # fmt: skip
 
     def _sync_states(self, batch, drafted: list[int]) -> None:
         """Every drafted row gets a compressed KV covering at most its committed KV (behind

@@ -160,6 +160,17 @@ class PoolOffloader:
         draft_row = self.ledger.draft_rows[row] = DraftRow(self.pool, self._take_for(row))
         return draft_row.lodge(state) == len(state.layers)
 
+    def hold(self, row: int, state: Any) -> int:
+        """Lodge a drafted row's (re)built compressed KV ``state`` in pool slots now, not at the
+        row's next offload: beside its offloaded full KV (``_hold``), or in free slots while its
+        full KV is resident (``hold_resident``; where they do not cover it, beside the pool).
+        Returns the slots the row holds for it."""
+        if self.ledger.span(row) is None:
+            self.hold_resident(row, state)
+        else:
+            self._hold(row, state)
+        return self.ledger.reserved(row)
+
     def evict_resident(self, num_slots: int) -> int:
         """Free resident draft rows (``hold_resident``), largest first, until ``num_slots`` are
         free; each state's columns move to buffers of its own (drafting goes on, beside the pool

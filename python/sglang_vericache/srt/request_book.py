@@ -9,6 +9,10 @@ From its prefill until it leaves, a request is in exactly one of two tables:
   compressed KV was dropped to make room where drafting did not pay) move every committed
   token's KV to the host too.
 
+A demoted request also has a ``demotions`` record (``Demotion``: when, how often, what its
+compressed KV weighed), kept while it lives: once room returns it is ``reinstate``d (its
+compressed KV rebuilt, back in ``states``: ``srt/reinstate.py``), and a later demotion counts on.
+
 Between its prefill and the worker's next forward a request may also have ``after_prefill``
 work: building its compressed KV and moving its full KV to the host, left until its first
 token has gone out (the worker runs it first thing in its next forward).
@@ -21,6 +25,7 @@ left the decode batch (aborted, retracted). Scheduler thread only.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 from sglang_vericache.srt.draft_length import DraftLengthController
@@ -31,6 +36,19 @@ from sglang_vericache.verify import VeriCacheStats
 OFFLOAD_ONLY = "--vericache-draft-len 0: full KV offloaded, read back for every token, no drafts"
 DEMOTED = ("compressed KV dropped to make room: drafting did not pay here; full KV offloaded, "
            "read back for every token")  # fmt: skip
+
+
+@dataclass(slots=True)
+class Demotion:
+    """A request's demotions: ``count`` so far, its committed length at the last one
+    (``at_length``), its compressed KV's bytes per covered token then (``bytes_per_token``, what a
+    rebuild is expected to take), and whether its compressed KV can be rebuilt (``rebuildable``:
+    not where the compressor needs the prompt's queries, which are gone)."""
+
+    count: int
+    at_length: int
+    bytes_per_token: float
+    rebuildable: bool = True
 
 
 class RequestBook:
@@ -44,10 +62,11 @@ class RequestBook:
         self.plain: dict[str, VeriCacheStats] = {}
         self.ahead_used: dict[str, list[int]] = {}
         self.after_prefill: dict[str, Callable[[], None]] = {}
+        self.demotions: dict[str, Demotion] = {}
 
     def __len__(self) -> int:
         """Requests tracked (0 when idle: nothing leaked)."""
-        return len(self.states | self.plain | self.after_prefill)
+        return len(self.states | self.plain | self.after_prefill | self.demotions)
 
     def take_after_prefill(self) -> list[Callable[[], None]]:
         """The pending after-prefill work, in prefill order; the table is empty after."""
@@ -65,17 +84,29 @@ class RequestBook:
         reason = reason or plain_reason(req) or whole_step_reason(req) or "plain step"
         self.plain[req.rid] = VeriCacheStats.plain(OFFLOAD_ONLY if self.offload_only else reason)
 
-    def demote(self, rid: str) -> None:
-        """``rid`` drops its compressed KV and decodes offload-only from now on (its counters
-        keep what it drafted before)."""
+    def demote(self, rid: str, length: int) -> None:
+        """``rid`` drops its compressed KV at committed ``length`` and decodes plainly from its
+        offloaded full KV until it is ``reinstate``d (its counters keep what it drafted)."""
         state = self.states.pop(rid, None)
         self.plain[rid] = (VeriCacheStats.plain(DEMOTED) if state is None
                            else state.stats.demoted(DEMOTED))  # fmt: skip
+        per_token = 0.0 if state is None else state.nbytes / max(state.covered, 1)
+        last = self.demotions.get(rid)
+        self.demotions[rid] = Demotion((0 if last is None else last.count) + 1, length, per_token,
+                                       last is None or last.rebuildable)  # fmt: skip
 
     def demoted_rows(self, reqs: list[Any]) -> set[int]:
-        """Indices of ``reqs`` that were demoted (they decode plainly, never draft again)."""
+        """Indices of ``reqs`` that are demoted now (they decode plainly)."""
         return {i for i, r in enumerate(reqs)
                 if r.rid in self.plain and self.plain[r.rid].plain_reason == DEMOTED}  # fmt: skip
+
+    def reinstate(self, rid: str, state: RequestDraftState) -> None:
+        """Demoted ``rid`` drafts again from ``state`` (its rebuilt compressed KV, labelled with
+        its mode): its counters carry on from before its demotion."""
+        stats = self.plain.pop(rid)
+        state.stats = replace(stats, mode=state.stats.mode, constrained=state.stats.constrained,
+                              plain_reason="")  # fmt: skip
+        self.states[rid] = state
 
     def offloads_plainly(self, rid: str) -> bool:
         """A plain row whose committed KV follows the rest of its KV to the host."""
@@ -84,7 +115,8 @@ class RequestBook:
 
     def keep_only(self, live: set[str]) -> None:
         """Forget every request not in ``live`` (the decode batch says who is running)."""
-        for table in (self.states, self.plain, self.draft_length.estimates, self.ahead_used):
+        for table in (self.states, self.plain, self.draft_length.estimates, self.ahead_used,
+                      self.demotions):  # fmt: skip
             for rid in [rid for rid in table if rid not in live]:
                 del table[rid]
 
@@ -92,6 +124,7 @@ class RequestBook:
         self.after_prefill.pop(rid, None)  # finished at prefill, or aborted before its next step
         self.states.pop(rid, None)
         self.plain.pop(rid, None)
+        self.demotions.pop(rid, None)
         self.ahead_used.pop(rid, None)  # reported in meta_info["vericache"] until now
         self.draft_length.forget(rid)
 
@@ -99,3 +132,7 @@ class RequestBook:
         assert not self.states.keys() & self.plain.keys(), "a request both drafted and plain"
         for rid, stats in self.plain.items():
             assert stats.plain_reason, f"plain request {rid} without a reason"
+            if stats.plain_reason == DEMOTED:
+                assert rid in self.demotions, f"demoted request {rid} without its record"
+        for rid in self.demotions:
+            assert rid in self.states or rid in self.plain, f"demotion record of {rid} outlived it"

@@ -1,0 +1,68 @@
+"""Demoted rows of a decode batch draft again once room returns (glue; the policy is
+``sglang_vericache.reinstatement``).
+
+``_demote_for_room`` (``srt/decode_steps.py``) drops a drafted row's compressed KV where drafting
+does not pay and a waiting request needs its pool slots; ``RequestBook`` keeps the row plain
+(``DEMOTED``). Each decode step, before it sorts its rows, the worker asks ``still_demoted``:
+the demoted rows whose room has returned get their compressed KV rebuilt from their full KV
+(``RequestDraftState.build`` over the row's exact KV, in the pool or offloaded), lodged in pool
+slots at once (``PoolOffloader.hold``), and back in the book's ``states``; from then on they are
+drafted rows like any other (drafted where the planner finds it pays, offloaded under pressure).
+The rest stay plain this step. Greedy output is unchanged: drafts only propose, the verify over
+the full KV decides every token.
+
+A compressor that scores tokens by the prompt's queries (SnapKV, H2O...) cannot rebuild a
+running row's compressed KV (the queries are gone): such a row stays demoted, tried once.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from sglang_vericache.placement import low_water
+from sglang_vericache.reinstatement import DemotedRow, rows_to_reinstate
+from sglang_vericache.srt.draft_state import RequestDraftState
+from sglang_vericache.srt.eligibility import decode_mode, tokens_left
+
+logger = logging.getLogger(__name__)
+
+
+def still_demoted(batch: Any, book: Any, offloader: Any, compressor: Any, num_layers: int,
+                  width: int) -> set[int]:  # fmt: skip
+    """Indices of ``batch.reqs`` that stay demoted this step; the others the book held demoted
+    are reinstated (module doc). book: ``RequestBook``; offloader: ``PoolOffloader``; width: a
+    row's verify width (slots a step takes per row, for the room the batch keeps)."""
+    demoted = book.demoted_rows(batch.reqs)
+    if not demoted:
+        return demoted
+    ledger = offloader.ledger
+    waiting = ledger.admission_deficit > 0 or bool(ledger.waiting_asks)
+    lens = batch.seq_lens_cpu.tolist()
+    candidates = []
+    for i in sorted(demoted):
+        req, length = batch.reqs[i], int(lens[i])
+        record = book.demotions[req.rid]
+        if record.rebuildable:
+            expected = offloader.slots_for(int(record.bytes_per_token * length))
+            candidates.append(DemotedRow(i, expected, length - record.at_length, tokens_left(req),
+                                         record.count))  # fmt: skip
+    free = int(offloader.allocator.available_size())
+    chosen = rows_to_reinstate(candidates, free, waiting, low_water([width] * len(batch.reqs)))
+    pool_rows = batch.req_pool_indices.tolist()
+    for i in chosen:
+        req, length, row = batch.reqs[i], int(lens[i]), pool_rows[i]
+        try:  # no prompt queries now: a compressor that needs them raises
+            state = RequestDraftState.build(compressor, offloader.layer_reader(row, length),
+                                            length, [None] * num_layers, num_layers)  # fmt: skip
+        except ValueError as exc:
+            book.demotions[req.rid].rebuildable = False
+            logger.info("request %s stays demoted: its compressed KV cannot be rebuilt without "
+                        "the prompt's queries (%s)", req.rid, exc)  # fmt: skip
+            continue
+        book.reinstate(req.rid, state.labelled(req, decode_mode(req)))
+        held = offloader.hold(row, state)
+        demoted.discard(i)
+        logger.info("request %s: room returned; compressed KV rebuilt over %d tokens (%d pool "
+                    "slots), it drafts again", req.rid, length, held)  # fmt: skip
+    return demoted
