@@ -60,7 +60,7 @@ def test_a_ready_request_whose_device_prefix_shrank_is_fetched_anew() -> None:
     """F2: READY with chunks 2..3 (device held 0..1); the device prefix is then evicted. The
     next probe used to start a lookup beside the old claims, and the lookup's fetch raised
     ``ValueError: request r already claims chunks`` on the scheduler thread."""
-    link, tier, prompt, kv = _stored_link(4)
+    link, _, prompt, kv = _stored_link(4)
     assert _settle(link, "r", prompt, 2 * C) == 2 * C
     assert link.fetch_bytes_in_flight() == 2 * CHUNK_BYTES
     assert _settle(link, "r", prompt, 0) == 4 * C  # the whole prefix, fetched anew
