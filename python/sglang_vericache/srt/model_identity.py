@@ -1,28 +1,39 @@
-"""The model identity this SGLang process puts into its tier keys, and its weight version.
+"""The model identity this SGLang process puts into its tier keys, and how weight updates move it.
 
 ``tier/identity.py`` computes an identity from plain values; this module reads them from the
 server: the model path (a local directory, or the local snapshot of a hub id), the resolved
-weight dtype and quantization, the arguments that change the model's numbers, the TP rank,
-and a weight version counted by this process.
+weight dtype and quantization, the arguments that change the model's numbers, and the TP rank.
 
-Weight version: SGLang 0.5.23 changes a running server's weights through
+Weight updates. SGLang 0.5.23 changes a running server's weights through
 ``SchedulerWeightUpdaterManager.update_weights_from_{disk,tensor,distributed,ipc}`` and, for
-loads that bypass those (P2P/RDMA), ``end_weight_update``; ``resume_memory_occupation`` may
-bring weights back from elsewhere. An AFTER hook on each bumps the counter whether or not the
-call reports success, because a failed update can leave weights partly replaced: a needless
-bump costs tier misses, a missing one would serve another model's KV. The hooks are
+loads that bypass those (P2P/RDMA), between ``begin_weight_update`` and ``end_weight_update``;
+``resume_memory_occupation`` may bring weights back from elsewhere. ``ServedWeights`` follows:
+
+- a load from disk: the identity of the checkpoint loaded, computed as at start-up (content
+  digest, cached per file version): a server updated to a checkpoint shares keys with every
+  server serving it, whether started from it or updated to it. The hook sits on the model
+  runner's ``WeightUpdater.update_weights_from_disk``, whose answer says whether the load went
+  through (the manager's also fails when the weights changed but the cache could not be
+  flushed, as under ``pause_generation(mode="in_place")``);
+- every other change, and a disk load that failed (SGLang's rollback reloads from the new
+  path: the weights are unknown): a private identity, a fresh nonce, so the server shares
+  nothing until it loads named weights from disk again. Digesting the received tensors was
+  not chosen: it would copy every tensor to the host on the scheduler thread (the whole model,
+  in an RL weight sync), and the tensors of a partial update do not name the weights they join.
+
+Every change, to the same identity too, also moves ``ServedWeights.generation`` on: KV
+computed under one generation is never filed under another (``srt/tier_eligibility.py``). The
+hooks wrap the calls (AROUND) so that an update that raises moves it as well. They are
 registered with SGLang's HookRegistry (applied by SGLang after plugins load), like every other
-hook of this package.
+hook of this package, and find a scheduler's ``ServedWeights`` on its ``req_to_token_pool``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
-import threading
-import uuid
 from collections.abc import Callable
-from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -33,54 +44,117 @@ logger = logging.getLogger(__name__)
 
 WEIGHT_UPDATER = "sglang.srt.managers.scheduler_components.weight_updater." \
     "SchedulerWeightUpdaterManager"
-WEIGHT_CHANGING_METHODS = (
-    "update_weights_from_disk", "update_weights_from_tensor",
-    "update_weights_from_distributed", "update_weights_from_ipc", "end_weight_update",
-    "resume_memory_occupation",
+RUNNER_WEIGHT_UPDATER = "sglang.srt.model_executor.model_runner_components.weight_updater." \
+    "WeightUpdater"
+DISK_LOAD = "update_weights_from_disk"  # RUNNER_WEIGHT_UPDATER's: (model_path, load_format, ...)
+# WEIGHT_UPDATER's calls that change weights to something this process cannot name
+UNNAMED_WEIGHT_CHANGES = (
+    "update_weights_from_tensor", "update_weights_from_distributed", "update_weights_from_ipc",
+    "begin_weight_update", "end_weight_update", "resume_memory_occupation",
 )
+SERVED_WEIGHTS_ATTR = "_vericache_served_weights"  # on a scheduler's req_to_token_pool
 # ServerArgs fields that change the model's numbers beyond weights, config and dtype. Unset
-# values (None, "", "auto", "{}", SGLang's "default" weight version) are left out, so two
-# servers started alike hash alike.
+# values (None, "", "auto", "{}") are left out, so two servers started alike hash alike.
+# (SGLang's --weight-version is a label, not content: the weights digest names the weights.)
 OVERRIDE_ARGS = (
     "json_model_override_args", "revision", "load_format", "model_impl",
     "model_loader_extra_config", "quantization_param_path", "modelopt_quant",
-    "rl_quant_profile", "custom_weight_loader", "weight_version",
+    "rl_quant_profile", "custom_weight_loader",
 )
 
-_lock = threading.Lock()
-_weight_version = 0
+
+class ServedWeights:
+    """The weights one scheduler serves now, as its tier keys name them (module doc).
+
+    identity: what every tier key names now.
+    generation: weight changes since start (0: the weights loaded at start-up).
+    Scheduler thread only: SGLang runs weight updates and the prefix cache there.
+    """
+
+    def __init__(self, identity: ModelIdentity) -> None:
+        self.identity = identity
+        self.generation = 0
+
+    def attach(self, req_to_token_pool: Any) -> None:
+        setattr(req_to_token_pool, SERVED_WEIGHTS_ATTR, self)
+
+    def loaded_from_disk(self, model_path: str, load_format: str | None) -> None:
+        self._move_to(checkpoint_identity(self.identity, model_path, load_format),
+                      f"loaded {model_path}")  # fmt: skip
+
+    def changed_unnamed(self, reason: str) -> None:
+        self._move_to(self.identity.private(), reason)
+
+    def _move_to(self, identity: ModelIdentity, reason: str) -> None:
+        self.identity = identity
+        self.generation += 1
+        logger.info("model weights changed (%s): tier keys now name %s", reason,
+                    identity.describe())
+
+    def geometry_source(self, num_layers: int, num_kv_heads: int, head_dim: int,
+                        kv_dtype: Any, chunk_tokens: int) -> Callable[[], KVGeometry]:
+        """A callable giving the tier geometry of the weights served now (cached per
+        generation: the remote link calls it on every poll)."""
+        cached: dict[int, KVGeometry] = {}
+
+        def now() -> KVGeometry:
+            geometry = cached.get(self.generation)
+            if geometry is None:
+                cached.clear()
+                logger.info("tier keys name the model %s", self.identity.describe())
+                geometry = cached[self.generation] = KVGeometry.from_torch_dtype(
+                    self.identity.model_id(), num_layers, num_kv_heads, head_dim, kv_dtype,
+                    chunk_tokens)  # fmt: skip
+            return geometry
+
+        return now
 
 
-def weight_version() -> int:
-    """Weight changes this process has seen since it started (0: the weights it loaded)."""
-    return _weight_version
+def served_weights_of(model_runner: Any) -> ServedWeights | None:
+    """The ``ServedWeights`` of the scheduler that owns ``model_runner`` (None without a
+    remote tier, or for a draft model's runner: its weights are not the KV's)."""
+    if model_runner is None or getattr(model_runner, "is_draft_worker", False):
+        return None
+    return getattr(getattr(model_runner, "req_to_token_pool", None), SERVED_WEIGHTS_ATTR, None)
 
 
-def bump_weight_version(reason: str) -> int:
-    global _weight_version
-    with _lock:
-        _weight_version += 1
-        version = _weight_version
-    logger.info("model weights changed (%s): tier keys now use weight version %d", reason,
-                version)
-    return version
-
-
-def _after_weight_change(method: str) -> Callable[..., Any]:
-    def hook(result: Any, *args: Any, **kwargs: Any) -> Any:
-        bump_weight_version(method)
+def _around_disk_load(original: Callable[..., Any], updater: Any, model_path: str,
+                      load_format: str | None, *args: Any, **kwargs: Any) -> Any:
+    loaded = False
+    try:
+        result = original(updater, model_path, load_format, *args, **kwargs)
+        loaded = bool(result[0])
         return result
+    finally:
+        served = served_weights_of(updater.get_model_runner())
+        if served is not None and loaded:
+            served.loaded_from_disk(model_path, load_format)
+        elif served is not None:
+            served.changed_unnamed(f"{DISK_LOAD} of {model_path} failed")
 
-    hook.__name__ = f"vericache_after_{method}"
+
+def _around_unnamed_change(method: str) -> Callable[..., Any]:
+    def hook(original: Callable[..., Any], manager: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return original(manager, *args, **kwargs)
+        finally:
+            runner = getattr(getattr(manager, "tp_worker", None), "model_runner", None)
+            served = served_weights_of(runner)
+            if served is not None:
+                served.changed_unnamed(method)
+
+    hook.__name__ = f"vericache_around_{method}"
     return hook
 
 
 def register_weight_version_hooks() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    for method in WEIGHT_CHANGING_METHODS:
-        HookRegistry.register(f"{WEIGHT_UPDATER}.{method}", _after_weight_change(method),
-                              HookType.AFTER)
+    HookRegistry.register(f"{RUNNER_WEIGHT_UPDATER}.{DISK_LOAD}", _around_disk_load,
+                          HookType.AROUND)  # fmt: skip
+    for method in UNNAMED_WEIGHT_CHANGES:
+        HookRegistry.register(f"{WEIGHT_UPDATER}.{method}", _around_unnamed_change(method),
+                              HookType.AROUND)  # fmt: skip
 
 
 def model_overrides(server_args: Any) -> dict[str, Any]:
@@ -127,7 +201,7 @@ def local_model_path(model_path: str, revision: str | None) -> Path | None:
 
 
 def server_model_identity(server_args: Any, model_config: Any, tp_rank: int) -> ModelIdentity:
-    """This server's identity at weight version 0 (``with_weight_version`` moves it on)."""
+    """This server's identity at start-up (``ServedWeights`` moves it on weight updates)."""
     dtype = str(getattr(model_config, "dtype", server_args.dtype)).removeprefix("torch.")
     quantization = getattr(model_config, "quantization", None) or server_args.quantization
     overrides = model_overrides(server_args)
@@ -144,23 +218,31 @@ def server_model_identity(server_args: Any, model_config: Any, tp_rank: int) -> 
     # unique to this process, so its KV is shared with no one rather than with the wrong one.
     logger.warning("tier keys of %s are private to this server: its weights cannot be "
                    "identified by content", model_path)
-    return ModelIdentity(name=Path(model_path).name or "model",
-                         weights=f"private:{uuid.uuid4()}", config=None, dtype=dtype,
-                         quantization=quantization, overrides=canonical_json(overrides),
-                         tp_rank=tp_rank)
+    return ModelIdentity(name=Path(model_path).name or "model", weights="-", config=None,
+                         dtype=dtype, quantization=quantization,
+                         overrides=canonical_json(overrides), tp_rank=tp_rank).private()
 
 
-def tier_geometry_source(identity: ModelIdentity, num_layers: int, num_kv_heads: int,
-                         head_dim: int, kv_dtype: Any, chunk_tokens: int
-                         ) -> Callable[[], KVGeometry]:
-    """A callable giving the tier geometry for the current weight version (cached per
-    version: the remote link calls it on every poll)."""
-
-    @lru_cache(maxsize=4)
-    def at_version(version: int) -> KVGeometry:
-        current = identity.with_weight_version(version)
-        logger.info("tier keys name the model %s", current.describe())
-        return KVGeometry.from_torch_dtype(current.model_id(), num_layers, num_kv_heads,
-                                           head_dim, kv_dtype, chunk_tokens)
-
-    return lambda: at_version(weight_version())
+def checkpoint_identity(base: ModelIdentity, model_path: str, load_format: str | None
+                        ) -> ModelIdentity:
+    """The identity of a server like ``base`` started from ``model_path`` with ``load_format``
+    (what it serves after ``update_weights_from_disk(model_path, load_format)``): the same
+    dtype, quantization, other overrides and TP rank; no ``--revision`` (an update loads the
+    path as it is). Private when the checkpoint cannot be digested."""
+    overrides = {k: v for k, v in json.loads(base.overrides).items()
+                 if k not in ("revision", "load_format")}  # fmt: skip
+    if not _is_unset(load_format):
+        overrides["load_format"] = load_format
+    named = dataclasses.replace(base, name=Path(model_path).name or "model",
+                                overrides=canonical_json(overrides))  # fmt: skip
+    local = None if load_format == "dummy" else local_model_path(model_path, None)
+    if local is not None:
+        try:
+            return ModelIdentity.for_model(local, dtype=base.dtype,
+                                           quantization=base.quantization,
+                                           overrides=overrides, tp_rank=base.tp_rank)  # fmt: skip
+        except (OSError, ValueError) as exc:
+            logger.warning("model identity of %s: %s", model_path, exc)
+    logger.warning("tier keys of %s are private to this server: its weights cannot be "
+                   "identified by content", model_path)
+    return named.private()

@@ -32,7 +32,8 @@ as a DEMOTED prefix (``tier/demoted.py``), charged to the pool: this tree is its
 and counts both as evictable. A prompt whose prefix the tier holds past the device match is
 loaded from it instead of recomputed (``srt/remote_prefix.py``), and while that fetch runs the
 request is drafted from its DEMOTED prefix (``srt/draft_ahead.py``). A prefix computed by one
-server is a hit on every server sharing the tier.
+server is a hit on every server sharing the tier and serving the same weights; only requests
+whose KV the key names (their tokens, the weights served now) cross (``srt/tier_eligibility.py``).
 """
 
 from __future__ import annotations
@@ -55,8 +56,8 @@ from sglang_vericache.srt.metrics import TierLinkExporter
 from sglang_vericache.srt.offload import write_pool_all_layers
 from sglang_vericache.srt.offloader import PoolOffloader
 from sglang_vericache.srt.remote_prefix import LINK_ATTR, RemotePrefixLink
+from sglang_vericache.srt.tier_eligibility import TierEligibility, open_remote
 from sglang_vericache.tier.demoted import DemotedPrefixes
-from sglang_vericache.tier.link_bounds import LinkBounds
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +70,8 @@ class VeriCacheRadixCache(RadixCache):
 
     def __init__(self, params: Any, num_layers: int, verify_width: int,
                  remote: RemotePrefixLink | None = None, fetch_drafting: bool = True,
-                 tier_metrics: TierLinkExporter | None = None) -> None:  # fmt: skip
+                 tier_metrics: TierLinkExporter | None = None,
+                 eligibility: TierEligibility | None = None) -> None:  # fmt: skip
         allocator = params.token_to_kv_pool_allocator
         self.offloader = PoolOffloader(
             allocator.get_kvcache(), params.req_to_token_pool, allocator, num_layers
@@ -77,6 +79,7 @@ class VeriCacheRadixCache(RadixCache):
         self.restore_failures = 0
         self.verify_width = verify_width  # pool slots one verification writes per request
         self.remote = remote
+        self.eligibility = eligibility or TierEligibility()  # weights fixed unless given
         if remote is not None:  # the worker finds it there to report prefill speed
             setattr(params.req_to_token_pool, LINK_ATTR, remote)
         self.tier_metrics = tier_metrics
@@ -180,7 +183,7 @@ class VeriCacheRadixCache(RadixCache):
                 super().checkpoint(req, up_to=up_to)
             return  # offloaded: the tree adopted its slots when they moved (``adopt``)
         tokens = None
-        if self.remote is not None and _tier_eligible(req):
+        if self.remote is not None and self.eligibility.may_write(req):
             tokens = req.full_untruncated_fill_ids[:up_to]
             self.remote.write_through(tokens, self._sequence_reader(row))
         if not self.disable:
@@ -244,6 +247,7 @@ class VeriCacheRadixCache(RadixCache):
         self.offloader.ledger.request_released(req.rid)
         if self.remote is not None:
             self.remote.forget(req.rid)
+            self.eligibility.forget(req.rid)
         if self.ahead is not None:
             self.ahead.forget(req.rid)
         super().on_release(req, checkpointed=checkpointed)
@@ -263,7 +267,7 @@ class VeriCacheRadixCache(RadixCache):
     def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
         result = super().match_prefix(params)
         req = params.req
-        if self.remote is None or self.disable or req is None or not _tier_eligible(req):
+        if self.remote is None or req is None or not self.eligibility.matched(req):
             return result
         hit = self.remote.probe(req.rid, params.key.raw_token_ids(), result.device_prefix_len)
         self._observe_tier()
@@ -326,6 +330,7 @@ class VeriCacheRadixCache(RadixCache):
             self.offloader.drop(row)
         if self.ahead is not None:
             self.ahead.store.clear()  # the flush clears the allocator next, its slots too
+        self.eligibility.tree_reset()  # KV cached from now on is of the weights served now
         super().reset()
 
 
@@ -336,11 +341,6 @@ def _free_deferred(allocator: Any) -> None:
     if getattr(allocator, "free_group", None):
         allocator.free_group_end()
         allocator.free_group_begin()
-
-
-def _tier_eligible(req: Any) -> bool:
-    """Tier keys hash tokens and the model only: LoRA / salted requests stay local."""
-    return not getattr(req, "extra_key", None) and not getattr(req, "cache_salt", None)
 
 
 def _row_key(req: Any, end: int) -> RadixKey:
@@ -355,31 +355,6 @@ def _match_key(req: Any) -> Any:
     return RadixKey(array("q", list(req.origin_input_ids) + list(req.output_ids)))
 
 
-def _open_remote(ctx: Any, num_layers: int) -> RemotePrefixLink | None:
-    """The tier link for zmq:// and lmcache:// tiers (None for the host tier). Keys carry the
-    model's identity and weight version (``srt/model_identity.py``)."""
-    from sglang_vericache.config import TierKind
-    from sglang_vericache.srt.model_identity import server_model_identity, tier_geometry_source
-    from sglang_vericache.srt.plugin import vericache_config
-
-    config = vericache_config(ctx.server_args)
-    tier = config.tier
-    if tier.kind is TierKind.HOST:
-        return None
-    if ctx.tp_size > 1:  # readiness would need an all-reduce across ranks (not built)
-        raise ValueError(f"--vericache-tier {tier} supports --tp-size 1 only; use "
-                         "--vericache-tier host with tensor parallelism")  # fmt: skip
-    keys = ctx.params.token_to_kv_pool_allocator.get_kvcache().get_key_buffer(0)
-    identity = server_model_identity(ctx.server_args, ctx.model_config, ctx.tp_rank)
-    geometry = tier_geometry_source(identity, num_layers, keys.shape[1], keys.shape[2],
-                                    keys.dtype, REMOTE_CHUNK_TOKENS)  # fmt: skip
-    logger.info("remote prefix tier %s (chunks of %d tokens)", tier, REMOTE_CHUNK_TOKENS)
-    inflight = config.tier_inflight_mb << 20
-    bounds = LinkBounds(lookup_deadline_s=config.tier_lookup_deadline_s,
-                        max_put_bytes=inflight, max_fetch_bytes=inflight)  # fmt: skip
-    return RemotePrefixLink.open(str(tier), geometry, bounds)
-
-
 def build_vericache_radix_cache(ctx: Any) -> VeriCacheRadixCache:
     """``RadixCacheFactory`` for ``--radix-cache-backend vericache``."""
     if ctx.is_hybrid_swa or ctx.is_hybrid_ssm or ctx.enable_hierarchical_cache:
@@ -392,8 +367,9 @@ def build_vericache_radix_cache(ctx: Any) -> VeriCacheRadixCache:
     from sglang_vericache.srt.plugin import vericache_config
 
     fetch_drafting = vericache_config(ctx.server_args).fetch_drafting
-    remote = _open_remote(ctx, layers)
+    remote, eligibility = open_remote(ctx, layers, REMOTE_CHUNK_TOKENS) or (None, None)
     metrics = None
     if remote is not None and ctx.server_args.enable_metrics:
         metrics = TierLinkExporter(ctx.server_args.served_model_name or "default", remote)
-    return VeriCacheRadixCache(ctx.params, layers, width, remote, fetch_drafting, metrics)
+    return VeriCacheRadixCache(ctx.params, layers, width, remote, fetch_drafting, metrics,
+                               eligibility)

@@ -11,8 +11,12 @@ because the same weights sit in another directory. So the identity is built from
   file version, re-read on any change of size or mtime.
 - ``config``: digest of ``config.json`` (canonical JSON: key order does not matter).
 - ``dtype`` (the served weight dtype), ``quantization``, ``overrides`` (rope scaling, JSON
-  model overrides, ... as a canonical JSON map), ``tp_rank`` and ``weight_version`` (bumped
-  by every weight update of a running server).
+  model overrides, ... as a canonical JSON map) and ``tp_rank``.
+
+A running server's weights can change (SGLang's weight updates): its identity is then that of
+what it loaded (``srt/model_identity.py``), never a count of updates, which two servers on
+different weights could share. Weights that cannot be digested get a ``private`` identity: a
+fresh nonce that no other server, and no later state of this one, can have.
 
 ``ModelIdentity.model_id()`` is what goes into ``KVGeometry.model_id`` and thereby into the
 namespace of every key and manifest. It is content only: the same weights copied to another
@@ -28,6 +32,7 @@ import json
 import logging
 import os
 import time
+import uuid
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -38,7 +43,7 @@ from sglang_vericache.paths import cache_path
 
 logger = logging.getLogger("sglang_vericache.tier.identity")
 
-IDENTITY_VERSION = "vericache-identity-v1"
+IDENTITY_VERSION = "vericache-identity-v2"  # v2: no weight-update counter
 CACHE_ENV = "VERICACHE_IDENTITY_CACHE"
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 INDEX_SUFFIX = ".index.json"
@@ -168,7 +173,7 @@ class ModelIdentity:
     quantization: the served quantization method, None when unquantized.
     overrides: canonical JSON map of the other arguments that change the model's numbers
         (rope scaling, JSON model overrides, revision, ...); "{}" when none.
-    tp_rank / weight_version: this rank's slice of the weights; weight updates since start.
+    tp_rank: this rank's slice of the weights.
     """
 
     name: str
@@ -178,25 +183,22 @@ class ModelIdentity:
     quantization: str | None = None
     overrides: str = "{}"
     tp_rank: int = 0
-    weight_version: int = 0
 
     def __post_init__(self) -> None:
         if not self.name or "\x00" in self.name:
             raise ValueError(f"identity name must be non-empty, without NUL: {self.name!r}")
         if not self.weights or not self.dtype:
             raise ValueError("identity needs a weights digest and a dtype")
-        for field in ("tp_rank", "weight_version"):
-            value = getattr(self, field)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"{field} must be an int >= 0, got {value!r}")
+        if not isinstance(self.tp_rank, int) or isinstance(self.tp_rank, bool) \
+                or self.tp_rank < 0:
+            raise ValueError(f"tp_rank must be an int >= 0, got {self.tp_rank!r}")
         if not isinstance(json.loads(self.overrides), dict):
             raise ValueError("overrides must be a JSON map")
 
     @classmethod
     def for_model(cls, model_path: str | os.PathLike[str], *, dtype: str,
                   quantization: str | None = None, overrides: Mapping[str, Any] | None = None,
-                  tp_rank: int = 0, weight_version: int = 0,
-                  cache: DigestCache | None = None) -> ModelIdentity:
+                  tp_rank: int = 0, cache: DigestCache | None = None) -> ModelIdentity:
         """The identity of the local model at ``model_path`` (a directory, or one GGUF file).
 
         cache: where file digests are kept (default: ``default_cache_dir()``).
@@ -205,17 +207,21 @@ class ModelIdentity:
         cache = DigestCache(default_cache_dir()) if cache is None else cache
         return cls(name=path.name, weights=weights_digest(path, cache),
                    config=config_digest(path), dtype=dtype, quantization=quantization,
-                   overrides=canonical_json(dict(overrides or {})), tp_rank=tp_rank,
-                   weight_version=weight_version)
+                   overrides=canonical_json(dict(overrides or {})), tp_rank=tp_rank)
 
-    def with_weight_version(self, version: int) -> ModelIdentity:
-        return dataclasses.replace(self, weight_version=version)
+    def private(self) -> ModelIdentity:
+        """This identity with weights no one can name: a fresh random nonce in place of the
+        weights digest (and no config digest), for weights that cannot be digested. Its keys
+        match no other server's and no other ``private()`` call's."""
+        return dataclasses.replace(self, weights=f"private:{uuid.uuid4()}", config=None)
+
+    def is_private(self) -> bool:
+        return self.weights.startswith("private:")
 
     def digest(self) -> str:
         """32 hex chars over every field but ``name`` (explicit, versioned encoding)."""
         fields = [IDENTITY_VERSION, self.weights, self.config or "-", self.dtype,
-                  self.quantization or "-", self.overrides, str(self.tp_rank),
-                  str(self.weight_version)]
+                  self.quantization or "-", self.overrides, str(self.tp_rank)]
         return hashlib.blake2b("\x00".join(fields).encode(), digest_size=16).hexdigest()
 
     def model_id(self) -> str:
@@ -224,6 +230,7 @@ class ModelIdentity:
 
     def describe(self) -> str:
         """For logs: the name, the model id and the fields that vary most."""
-        return (f"{self.name} ({self.model_id()}: dtype {self.dtype}, quantization "
-                f"{self.quantization}, TP rank {self.tp_rank}, weight version "
-                f"{self.weight_version}, overrides {self.overrides})")
+        weights = "private (shared with no one)" if self.is_private() else self.weights[:16]
+        return (f"{self.name} ({self.model_id()}: weights {weights}, dtype {self.dtype}, "
+                f"quantization {self.quantization}, TP rank {self.tp_rank}, overrides "
+                f"{self.overrides})")

@@ -1,5 +1,7 @@
-"""Model identity in every key (tier/identity.py) and the server glue that feeds it
-(srt/model_identity.py, read with stand-in server arguments: no SGLang server here)."""
+"""Model identity in every key (tier/identity.py), the server glue that feeds it and follows
+weight updates (srt/model_identity.py, read with stand-in server arguments: no SGLang server
+here), and which requests' KV may cross to the tier (srt/tier_eligibility.py). The same with
+real SGLang servers: test/e2e/test_tier_identity_e2e.py."""
 
 from __future__ import annotations
 
@@ -73,7 +75,7 @@ def test_same_weights_in_two_paths_share_the_identity(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("change", [
-    {"dtype": "bfloat16"}, {"quantization": "fp8"}, {"tp_rank": 1}, {"weight_version": 1},
+    {"dtype": "bfloat16"}, {"quantization": "fp8"}, {"tp_rank": 1}, {"weights": "private:x"},
     {"overrides": '{"json_model_override_args":{"rope_scaling":{"factor":2.0}}}'},
 ])
 def test_every_identity_field_changes_the_keys(tmp_path: Path, change: dict) -> None:
@@ -84,8 +86,8 @@ def test_every_identity_field_changes_the_keys(tmp_path: Path, change: dict) -> 
 
 
 def test_identity_validation_and_single_file_models(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="weight_version"):
-        ModelIdentity("m", "w", None, "float32", weight_version=-1)
+    with pytest.raises(ValueError, match="tp_rank"):
+        ModelIdentity("m", "w", None, "float32", tp_rank=-1)
     with pytest.raises(ValueError, match="JSON map"):
         ModelIdentity("m", "w", None, "float32", overrides="[]")
     empty = tmp_path / "empty"
@@ -168,17 +170,139 @@ def test_server_identity_reads_dtype_overrides_and_rank(tmp_path: Path) -> None:
     assert dummy[0].model_id() != dummy[1].model_id() != plain.model_id()
 
 
-def test_weight_update_moves_the_keys_to_a_new_version(tmp_path: Path) -> None:
-    identity = ModelIdentity.for_model(make_model(tmp_path), dtype="float32")
-    source = glue.tier_geometry_source(identity, 2, 2, 4, "float32", 8)
-    before = source()
-    assert source() is before  # cached: the link calls it on every poll
-    hook = glue._after_weight_change("update_weights_from_disk")
-    result = object()
-    assert hook(result, "updater", "req") is result  # an AFTER hook passes the result on
-    after = source()
-    assert after != before and chunk_keys(after, TOKENS) != chunk_keys(before, TOKENS)
-    assert after.model_id == identity.with_weight_version(glue.weight_version()).model_id()
+def _served(model: Path) -> glue.ServedWeights:
+    """What a server started from ``model`` with default arguments serves."""
+    config = SimpleNamespace(dtype="torch.float32", quantization=None)
+    return glue.ServedWeights(glue.server_model_identity(_server_args(model), config, 0))
+
+
+def test_a_disk_update_serves_the_identity_of_the_checkpoint_loaded(tmp_path: Path) -> None:
+    """Two servers start from one checkpoint; one updates to another checkpoint, the other
+    reloads its own: they must not share keys (a count of updates made them equal). Both on
+    the new checkpoint: they share keys, with each other and with a server started from it
+    (a count of updates kept them apart)."""
+    start = make_model(tmp_path / "a", name="run")
+    newer = make_model(tmp_path / "b", name="run", weights=b"\x07" * 64)
+    one, two = _served(start), _served(start)
+    started_newer = _served(newer).identity
+    keys = [one.geometry_source(2, 2, 4, "float32", 8), two.geometry_source(2, 2, 4, "float32", 8)]
+    first = keys[0]()
+    assert keys[0]() is first  # cached: the link asks on every poll
+    one.loaded_from_disk(str(newer), "auto")
+    two.loaded_from_disk(str(start), "auto")
+    assert one.identity == started_newer and two.identity == _served(start).identity
+    assert chunk_keys(keys[0](), TOKENS) != chunk_keys(keys[1](), TOKENS)
+    assert keys[1]() == first  # the same weights as at start: the same keys
+    two.loaded_from_disk(str(newer), None)
+    assert two.identity == one.identity == started_newer
+    assert chunk_keys(keys[0](), TOKENS) == chunk_keys(keys[1](), TOKENS)
+    assert (one.generation, two.generation) == (1, 2)
+
+
+def test_a_disk_update_keeps_the_other_overrides_and_drops_the_start_revision(
+        tmp_path: Path) -> None:
+    model = make_model(tmp_path)
+    config = SimpleNamespace(dtype="torch.float32", quantization=None)
+    rope = '{"rope_scaling": {"type": "linear", "factor": 2}}'
+    served = glue.ServedWeights(glue.server_model_identity(
+        _server_args(model, json_model_override_args=rope, revision="main"), config, 0))
+    served.loaded_from_disk(str(model), "safetensors")
+    want = glue.server_model_identity(
+        _server_args(model, json_model_override_args=rope, load_format="safetensors"), config, 0)
+    assert served.identity == want
+
+
+@pytest.mark.parametrize("how", ["tensor", "failed disk load", "dummy", "no weight files"])
+def test_weights_that_cannot_be_named_share_nothing(tmp_path: Path, how: str) -> None:
+    """Tensor / distributed / IPC updates, a failed disk load, dummy weights, a directory
+    without weight files: a fresh private identity each time, never the start identity and
+    never another server's."""
+    model = make_model(tmp_path / "m")
+    one, two = _served(model), _served(model)
+    for served in (one, two):
+        if how == "tensor":
+            served.changed_unnamed("update_weights_from_tensor")
+        elif how == "failed disk load":
+            glue._around_disk_load(lambda *a: (False, "no"), _updater(served), str(model), None)
+        elif how == "dummy":
+            served.loaded_from_disk(str(model), "dummy")
+        else:
+            served.loaded_from_disk(str(tmp_path), None)
+    ids = {one.identity.model_id(), two.identity.model_id(), _served(model).identity.model_id()}
+    assert len(ids) == 3 and one.identity.is_private() and one.generation == 1
+
+
+def _updater(served: glue.ServedWeights, draft: bool = False) -> SimpleNamespace:
+    """Stand-in for SGLang's model-runner ``WeightUpdater`` (what the hook reads of it)."""
+    pool = SimpleNamespace()
+    served.attach(pool)
+    runner = SimpleNamespace(req_to_token_pool=pool, is_draft_worker=draft)
+    return SimpleNamespace(get_model_runner=lambda: runner)
+
+
+def test_weight_update_hooks_move_the_served_weights(tmp_path: Path) -> None:
+    """The disk hook names the checkpoint only when the load reports success; a raising
+    update still moves the generation; a draft model's runner is not the KV's."""
+    model, newer = make_model(tmp_path / "a"), make_model(tmp_path / "b", weights=b"\x03" * 64)
+    served = _served(model)
+    result = (True, "ok")
+    assert glue._around_disk_load(lambda *a: result, _updater(served), str(newer), None) \
+        is result  # fmt: skip
+    assert served.identity == _served(newer).identity and served.generation == 1
+    glue._around_disk_load(lambda *a: (True, "ok"), _updater(served, draft=True), str(model), None)
+    assert served.generation == 1
+
+    def broken(*args: object) -> None:
+        raise RuntimeError("lost a shard")
+
+    manager = SimpleNamespace(tp_worker=SimpleNamespace(model_runner=_updater(served)
+                                                         .get_model_runner()))  # fmt: skip
+    with pytest.raises(RuntimeError):
+        glue._around_unnamed_change("update_weights_from_tensor")(broken, manager)
+    assert served.identity.is_private() and served.generation == 2
+
+
+def test_kv_spanning_a_weight_change_is_not_eligible() -> None:
+    """A request stamped before a weight change is not written through after it; one matched
+    while the prefix cache still holds KV of the old weights (SGLang could not flush it) is
+    neither looked up nor written through; after a reset both work again."""
+    from sglang_vericache.srt.tier_eligibility import TierEligibility
+
+    weights = {"generation": 0}
+    rule = TierEligibility(lambda: weights["generation"])
+    req = SimpleNamespace(rid="r")
+    assert not rule.may_write(req)  # never matched: nothing known of its KV
+    assert rule.matched(req) and rule.may_write(req)
+    weights["generation"] = 1  # an in-place update while it runs
+    assert not rule.may_write(req)
+    later = SimpleNamespace(rid="later")
+    assert not rule.matched(later) and not rule.may_write(later)  # the cache is old KV
+    rule.tree_reset()  # SGLang flushed the cache
+    assert rule.matched(later) and rule.may_write(later)
+    rule.forget("later")
+    assert not rule.may_write(later)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("sglang") is None, reason="needs sglang")
+def test_only_requests_whose_tokens_are_their_content_use_the_tier() -> None:
+    """SGLang's own requests: ``input_embeds`` (placeholder ids: token 1 repeated), multimodal
+    inputs, LoRA / salted requests are neither looked up nor written through."""
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.sampling.sampling_params import SamplingParams
+    from sglang_vericache.srt.tier_eligibility import TierEligibility, tier_content
+
+    def req(**kwargs: object) -> Req:
+        return Req("r", "", [1] * 4, SamplingParams(max_new_tokens=4), **kwargs)
+
+    assert tier_content(req())
+    assert not tier_content(req(input_embeds=[[0.5] * 8] * 4))
+    assert not tier_content(req(extra_key="lora-a")) and not tier_content(req(cache_salt="s"))
+    media = req()
+    media.multimodal_inputs = object()  # what SGLang sets for image / audio / video inputs
+    assert not tier_content(media)
+    embeds = req(input_embeds=[[0.5] * 8] * 4)
+    rule = TierEligibility()
+    assert not rule.matched(embeds) and not rule.may_write(embeds)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("sglang") is None, reason="needs sglang")
@@ -187,10 +311,16 @@ def test_weight_update_hooks_name_real_sglang_methods() -> None:
     Read from the source with ast: importing SGLang's scheduler takes ~20 s."""
     import ast
 
-    module, cls = glue.WEIGHT_UPDATER.rsplit(".", 1)
-    top = Path(importlib.util.find_spec("sglang").origin).parent
-    source = top.joinpath(*module.split(".")[1:]).with_suffix(".py").read_text()
-    (node,) = [n for n in ast.walk(ast.parse(source))
-               if isinstance(n, ast.ClassDef) and n.name == cls]
-    methods = {n.name for n in node.body if isinstance(n, ast.FunctionDef)}
-    assert set(glue.WEIGHT_CHANGING_METHODS) <= methods
+    def methods(target: str) -> dict[str, list[str]]:
+        module, cls = target.rsplit(".", 1)
+        top = Path(importlib.util.find_spec("sglang").origin).parent
+        source = top.joinpath(*module.split(".")[1:]).with_suffix(".py").read_text()
+        (node,) = [n for n in ast.walk(ast.parse(source))
+                   if isinstance(n, ast.ClassDef) and n.name == cls]
+        return {n.name: [a.arg for a in n.args.args]
+                for n in node.body if isinstance(n, ast.FunctionDef)}
+
+    assert set(glue.UNNAMED_WEIGHT_CHANGES) | {glue.DISK_LOAD} <= set(methods(glue.WEIGHT_UPDATER))
+    # the disk hook reads the path and format as the runner's first two arguments
+    disk = methods(glue.RUNNER_WEIGHT_UPDATER)[glue.DISK_LOAD]
+    assert disk[:3] == ["self", "model_path", "load_format"]
