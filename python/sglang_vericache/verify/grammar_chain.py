@@ -148,12 +148,21 @@ class GrammarChain:
     def close(self, result: AcceptResult, draft_lens: torch.Tensor) -> AcceptResult:
         """``result`` ([bs] rows, verified over ``draft_lens`` [bs] drafts, already cut by
         ``limit``) with each row whose accepted drafts end on its terminating draft committing
-        that draft as its last token: no bonus after it (``stop_at_last_draft``)."""
+        that draft as its last token: no bonus after it (``stop_at_last_draft``).
+
+        Such a row's ``draft_lens`` entry drops by one, in place: its stopping draft takes the
+        closing token's place (a correction's or bonus's), so the row's stats and the
+        draft-length controller count ``accept_lens - 1`` accepted of ``draft_lens`` drafts
+        like any row's (SGLang's spec metrics count ``accept_lens - 1`` correct drafts too).
+        """
         verified = draft_lens.tolist()
         stops = torch.zeros(len(verified), dtype=torch.bool)
         for k, row in enumerate(self.rows):
             stops[row] = self.terminal[k] and verified[row] == self.draft_lens[k]
-        return stop_at_last_draft(result, stops.to(result.bonus.device))
+        closed = stop_at_last_draft(result, stops.to(result.bonus.device))
+        stopped = (closed.accept_lens < result.accept_lens).to(draft_lens.device)
+        draft_lens -= stopped.to(draft_lens.dtype)
+        return closed
 
     def check_integrity(self) -> None:
         n = len(self.rows)

@@ -243,17 +243,22 @@ def test_close_ends_a_row_on_its_accepted_terminating_draft() -> None:
     lens = torch.full((2,), 3, dtype=torch.int32)
     chain.limit(lens)
     assert lens.tolist() == [2, 3] and chain.terminal == [True, False]
-    # every draft accepted: row 0 ends on EOS (no bonus), row 1 keeps its bonus 4
-    result = chain.close(greedy_accept(rows, torch.tensor([[3, EOS, 6, 6], [1, 2, 3, 4]]), lens),
-                         lens)  # fmt: skip
+
+    def close(predict: list[list[int]], verified: list[int]) -> tuple[object, list[int]]:
+        draft_lens = torch.tensor(verified, dtype=torch.int32)
+        result = chain.close(greedy_accept(rows, torch.tensor(predict), draft_lens), draft_lens)
+        return result, draft_lens.tolist()
+
+    # every draft accepted: row 0 ends on EOS (no bonus; EOS counts as its closing token, so
+    # one draft accepted of one), row 1 keeps its bonus 4
+    result, counted = close([[3, EOS, 6, 6], [1, 2, 3, 4]], [2, 3])
     assert result.row_tokens(0) == [3, EOS] and result.row_tokens(1) == [1, 2, 3, 4]
-    assert result.bonus.tolist() == [False, True]
+    assert result.bonus.tolist() == [False, True] and counted == [1, 3]
     # the terminating draft rejected: its correction closes the row as usual
-    result = chain.close(greedy_accept(rows, torch.tensor([[3, 4, 6, 6], [1, 2, 3, 4]]), lens),
-                         lens)  # fmt: skip
+    result, counted = close([[3, 4, 6, 6], [1, 2, 3, 4]], [2, 3])
     assert result.row_tokens(0) == [3, 4] and result.bonus.tolist() == [False, True]
+    assert counted == [2, 3]
     # a verify over fewer drafts than the chain (cut below the terminating draft) keeps its bonus
-    short = torch.tensor([1, 3], dtype=torch.int32)
-    result = chain.close(greedy_accept(rows, torch.tensor([[3, 4, 6, 6], [1, 2, 3, 4]]), short),
-                         short)  # fmt: skip
+    result, counted = close([[3, 4, 6, 6], [1, 2, 3, 4]], [1, 3])
     assert result.row_tokens(0) == [3, 4] and result.bonus.tolist() == [True, True]
+    assert counted == [1, 3]
