@@ -60,16 +60,29 @@ def last_tokens(batch, device: torch.device) -> torch.Tensor:
 
 def one_token_rows(out, width: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A one-token decode forward's output in the spec layout: tokens [bs * width] int64 (each
-    row's token first, then padding) and accept_lens [bs] int32 ones. Reshapes the output's
-    ``next_token_logprobs`` to [bs, 1] (SGLang's spec path reads tokens-this-step per row)."""
+    row's token first, then padding) and accept_lens [bs] int32 ones. Rewrites the output the
+    way SGLang's spec result path reads it: ``next_token_logprobs`` [bs] -> [bs, 1] (tokens this
+    step per row), ``hidden_states`` [bs, H] -> [bs * width, H] (``strided_rows``)."""
     bs = out.next_token_ids.shape[0]
     device = out.next_token_ids.device
-    tokens = torch.zeros(bs, width, dtype=torch.int64, device=device)
-    tokens[:, 0] = out.next_token_ids
+    tokens = strided_rows(out.next_token_ids.to(torch.int64), width)
     logits_output = out.logits_output
     if logits_output.next_token_logprobs is not None:
         logits_output.next_token_logprobs = logits_output.next_token_logprobs.view(bs, 1)
-    return tokens.flatten(), torch.ones(bs, dtype=torch.int32, device=device)
+    if logits_output.hidden_states is not None:
+        logits_output.hidden_states = strided_rows(logits_output.hidden_states, width)
+    return tokens, torch.ones(bs, dtype=torch.int32, device=device)
+
+
+def strided_rows(per_row: torch.Tensor, width: int) -> torch.Tensor:
+    """[bs, ...] -> [bs * width, ...]: row i at i * width, zeros after it.
+
+    SGLang's spec result path reads a row's outputs of a step at ``i * stride`` onwards (stride:
+    the result's ``speculative_num_draft_tokens``), one entry per committed token; a one-token
+    step commits one, so only the first entry of each row is read."""
+    out = per_row.new_zeros(per_row.shape[0], width, *per_row.shape[1:])
+    out[:, 0] = per_row
+    return out.flatten(0, 1)
 
 
 def spec_result(batch, width: int, next_token_ids: torch.Tensor, accept_lens: torch.Tensor,
