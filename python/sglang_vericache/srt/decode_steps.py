@@ -38,6 +38,7 @@ from sglang_vericache.srt.draft_attention import DraftPlan
 from sglang_vericache.srt.draft_precision import drafting
 from sglang_vericache.srt.draft_state import RequestDraftState
 from sglang_vericache.srt.eligibility import StepRows, decode_mode
+from sglang_vericache.srt.grammar_rollback import roll_back_or_abort
 from sglang_vericache.srt.reinstate import still_demoted
 from sglang_vericache.srt.row_acceptance import SampledDrafts, draft_column
 from sglang_vericache.srt.row_sampling import commit_verify
@@ -63,7 +64,8 @@ class DecodeSteps:
 
     def _decode_step(self, batch):
         # The rows this step drafts; the others take one exact token (srt/row_sampling.py).
-        step = StepRows.of(batch.reqs, drafting=not self.offload_only).without(
+        step = StepRows.of(batch.reqs, drafting=not self.offload_only,
+                           watermarked=batch.sampling_info.watermark_candidates_host).without(
             self._still_demoted(batch))  # fmt: skip
         self._sync_states(batch, step.drafted)
         moved = relieve_pressure(batch, self.states, self.offloader,
@@ -184,7 +186,9 @@ class DecodeSteps:
             self.attn.draft = None
             self.clock.note_transient(plan.transient_bytes)
             if grammar is not None:
-                grammar.rollback()  # the scheduler advances the matchers over what commits
+                # the scheduler advances the matchers over what commits; a matcher that
+                # cannot undo its drafts ends its request, not the scheduler
+                roll_back_or_abort(grammar, batch.reqs)
         return spent
 
     def _verify_step(self, batch, step: StepRows, drafts: int):

@@ -9,7 +9,8 @@ The one place that decides a row's mode::
              (``verify.speculative_accept``, ``srt/row_acceptance.py``), identical in
              distribution to plain sampling
     PLAIN    penalties, logit bias, ``min_new_tokens``, a custom logit processor, a grammar
-             whose backend cannot roll back (outlines), ``max_new_tokens: 0`` (never decodes):
+             whose backend cannot roll back (outlines, also inside a reasoning parser's
+             wrapper), ``max_new_tokens: 0`` (never decodes):
              no drafts; the row takes one exact token from SGLang's sampler in the same verify
              (``srt/row_sampling.py``)
 
@@ -58,9 +59,19 @@ def plain_reason(req: Any) -> str | None:
 
 def rolls_back(grammar: Any) -> bool:
     """Whether a grammar object can undo accepted tokens, which drafting along a chain needs
-    (``verify/grammar_chain.py``): xgrammar and llguidance can; outlines cannot."""
-    from sglang.srt.constrained.base_grammar_backend import BaseGrammarObject
+    (``verify/grammar_chain.py``): xgrammar and llguidance can; outlines cannot.
 
+    Decided by the grammar that does the work: with ``--reasoning-parser`` SGLang wraps every
+    grammar in a ``ReasonerGrammarObject``, whose ``rollback`` rolls back its own reasoning state
+    and, for tokens after the reasoning ends, calls the wrapped grammar's (an outlines grammar's
+    raises there). A wrapper around no grammar (reasoning only) rolls back its own state."""
+    from sglang.srt.constrained.base_grammar_backend import BaseGrammarObject
+    from sglang.srt.constrained.reasoner_grammar_backend import ReasonerGrammarObject
+
+    while isinstance(grammar, ReasonerGrammarObject):
+        grammar = grammar.grammar
+    if grammar is None:
+        return True
     rollback = getattr(type(grammar), "rollback", BaseGrammarObject.rollback)
     return rollback is not BaseGrammarObject.rollback
 
@@ -73,17 +84,27 @@ def decode_mode(req: Any) -> DecodeMode:
     return DecodeMode.GREEDY if req.sampling_params.top_k <= 1 else DecodeMode.SAMPLED
 
 
-def whole_step_reason(req: Any) -> str | None:
+def whole_step_reason(req: Any, watermarked: bool = False) -> str | None:
     """Why ``req`` needs the whole step to be a plain decode forward (None: it does not).
 
     Hidden states and sampling masks are returned per forward position; SGLang's spec result
     path reads them in the verify layout only for its own workers, so a batch holding such a
-    request decodes one token per row with SGLang's forward (same tokens, no drafting).
+    request decodes one token per row with SGLang's forward (same tokens, no drafting; its
+    outputs in the spec layout: ``srt/batch_inputs.py`` ``one_token_rows``).
+
+    watermarked: SGLang's watermark forces this row's sampling (``--enable-watermark``: the
+    batch's ``SamplingBatchInfo.watermark_candidates_host``). The watermark's per-request
+    context advances in SGLang's sampler (``WatermarkState.force`` / ``append``, in
+    ``ModelRunner.sample``), which drafted and verify-sampled rows bypass; a plain step samples
+    every row there. (SGLang 0.5.23 refuses ``--enable-watermark`` with any speculative
+    algorithm but NGRAM and EAGLE at start-up, so this guards a later SGLang that admits it.)
     """
     if getattr(req, "return_hidden_states", False):
         return "hidden states requested"
     if getattr(req, "return_sampling_mask", False):
         return "sampling mask requested"
+    if watermarked:
+        return "watermarked sampling"
     return None
 
 
@@ -104,10 +125,14 @@ class StepRows:
     demoted: list[int] = field(default_factory=list)
 
     @classmethod
-    def of(cls, reqs: list[Any], *, drafting: bool = True) -> StepRows:
+    def of(cls, reqs: list[Any], *, drafting: bool = True,
+           watermarked: list[bool] | None = None) -> StepRows:  # fmt: skip
         """Rows of a decode batch; every row is plain when ``drafting`` is off (offload-only) or
-        a request needs the whole step plain (``whole_step_reason``)."""
-        if not drafting or any(whole_step_reason(r) is not None for r in reqs):
+        a request needs the whole step plain (``whole_step_reason``). watermarked: per row,
+        whether the watermark forces its sampling (None: no watermark on this server)."""
+        marks = watermarked or [False] * len(reqs)
+        if not drafting or any(whole_step_reason(r, w) is not None
+                               for r, w in zip(reqs, marks, strict=True)):
             return cls(drafted=[], sampled=[], plain=list(range(len(reqs))))
         modes = [decode_mode(r) for r in reqs]
         return cls(
