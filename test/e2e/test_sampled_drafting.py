@@ -23,6 +23,12 @@ precision, so on these short prompts q == p and every draft is accepted; this ch
 (drafted rows, the merge with SGLang's batch, q and p rebuilt as SGLang's sampler would), while
 rejection and residual resampling are checked by ``test/unit/verify/test_spec_sampling.py``
 (exact enumeration), ``test/unit/test_row_acceptance.py`` and the long run's lossy compressor.
+
+Grammar rows (issue 40): sampled requests under a regex that may end after each answer compare
+their output lengths, plain vs ``--vericache``, by the same chi-square test. The bias it guards
+against (drafting stopped before a terminating draft) shows even with q == p, so the exact
+short-prompt KV does not hide it; ``test/unit/verify/test_grammar_sampling.py`` checks the
+property exactly over random p, q and grammars.
 """
 
 from __future__ import annotations
@@ -36,7 +42,13 @@ import pytest
 from sglang_vericache.exactness.server import http_json
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from benchmark.sampled_distribution import compare, drafting_summary, power_at, sample  # noqa: E402
+from benchmark.sampled_distribution import (  # noqa: E402
+    chi_square_homogeneity,
+    compare,
+    drafting_summary,
+    power_at,
+    sample,
+)
 
 pytestmark = [pytest.mark.sglang, pytest.mark.model, pytest.mark.timeout(3600)]
 
@@ -48,6 +60,17 @@ PROMPTS = ("The capital of France is", "Here is a list of fruits: apple, banana,
 SETTINGS = [(PROMPTS[0], 0.7, 1.0), (PROMPTS[1], 1.0, 0.9)]
 TESTS = 2 * len(SETTINGS)  # first token and first three tokens per setting
 WRONG_TEMPERATURE = 1.0  # plain at T=0.7 vs plain at this: a real, different distribution
+# A grammar that may end after every answer: EOS competes with " and" (issue 40). At temperature
+# 2 several of the model's choices to end or go on are far from certain, where a bias shows most
+# (a chain cut before its terminating draft ended with probability ~x^2 instead of x). Measured
+# at N_GRAMMAR = 384: plain 156 outputs of length 2 and 73 of length 3, the old rule 174 and 20
+# (p = 1e-6), the fix 168 and 69 (p = 0.35). No newline after "assistant": with one, the model
+# ends after its first answer ~3/4 of the time and the old rule's bias is smaller.
+GRAMMAR_PROMPT = ("<|im_start|>user\nIs the sky blue? Answer yes or no.<|im_end|>\n"
+                  "<|im_start|>assistant")  # fmt: skip
+GRAMMAR_REGEX = r"(yes|no)( and (yes|no)){0,4}"
+GRAMMAR_TEMPERATURE = 2.0
+N_GRAMMAR = 384
 
 
 def _params(temperature: float, top_p: float) -> dict:
@@ -108,3 +131,26 @@ def test_seeded_rows_repeat_their_verified_tokens(vericache_server) -> None:
     if count < 2:
         pytest.skip(f"no two runs share a first token: {runs}")
     assert len({r for r in runs if r[0] == first}) == 1, runs
+
+
+@pytest.fixture(scope="module")
+def grammar_samples(plain_server, vericache_server) -> dict:
+    """side -> (output ids [N_GRAMMAR], meta_info["vericache"] [N_GRAMMAR]) under the regex."""
+    params = {"temperature": GRAMMAR_TEMPERATURE, "max_new_tokens": 16, "regex": GRAMMAR_REGEX}
+    return {side: sample(server.url, GRAMMAR_PROMPT, params, N_GRAMMAR, batch=128)
+            for side, server in (("plain", plain_server), ("vericache", vericache_server))}
+
+
+def test_sampled_grammar_rows_end_as_plain_sampling_does(grammar_samples) -> None:
+    """Sampled rows under a regex that can end after each answer: where the output ends (its
+    length; 16 = max_new_tokens) is distributed as plain SGLang's, and the rows really drafted
+    under their grammar (a plain fallback would pass any distribution test)."""
+    (ref, _), (got, stats) = grammar_samples["plain"], grammar_samples["vericache"]
+    summary = drafting_summary(stats)
+    print(f"regex rows: {summary}")
+    assert summary["modes"] == ["sampled"] and all(s.get("constrained") for s in stats), summary
+    assert summary["verify_steps"] >= N_GRAMMAR and sum(s["drafted"] for s in stats) > 0, summary
+    lengths = chi_square_homogeneity([len(o) for o in ref], [len(o) for o in got])
+    print(f"output lengths: plain {sorted(Counter(len(o) for o in ref).items())}, vericache "
+          f"{sorted(Counter(len(o) for o in got).items())}: {lengths}")  # fmt: skip
+    assert lengths.p_value >= 1e-3, lengths
