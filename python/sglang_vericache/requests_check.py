@@ -22,6 +22,10 @@ every other request with it:
   request fuzzer);
 - a parallel-sampling ``n`` so large that one request queues ``n`` copies and holds the
   scheduler for hours (a hang for every other client);
+- ``input_embeds`` on a server whose model runs in another dtype than bfloat16: SGLang's model
+  runner casts them to bfloat16 (``model_runner.py``: ``input_embeds.bfloat16()``), so the first
+  linear layer of a float32 (or float16) model raises on the mixed dtypes (found by the request
+  fuzzer on a ``--disable-radix-cache`` server);
 - ``/start_expert_distribution_record`` (and its stop and dump) on a server started without
   ``--expert-distribution-recorder-mode``: the scheduler's no-op recorder raises; and
   ``/release_memory_occupation`` (and resume) on a host without an accelerator: the scheduler
@@ -192,6 +196,18 @@ def check_batch_items(sampling_params: Sequence[Any], top_logprobs_nums: Sequenc
             raise RequestError(f"sampling_params[{i}]", str(exc)) from exc
     for i, k in enumerate(top_logprobs_nums):
         check_top_logprobs_num(k, vocab_size, field=f"top_logprobs_num[{i}]")
+
+
+def check_input_embeds(model_dtype: Any) -> None:
+    """``input_embeds`` reach the model as bfloat16 (SGLang 0.5.23 casts them), which only a
+    bfloat16 model can take; ``model_dtype`` is the served dtype (a torch dtype or its name)."""
+    name = str(model_dtype).removeprefix("torch.")
+    if name != "bfloat16":
+        raise RequestError("input_embeds",
+                           f"this server runs its model in {name}, and SGLang 0.5.23 feeds "
+                           "input_embeds to it as bfloat16, which its forward cannot mix: start "
+                           "the server with --dtype bfloat16 to send input_embeds, or send "
+                           "input_ids")
 
 
 def check_expert_recording(recorder_mode: Any) -> None:

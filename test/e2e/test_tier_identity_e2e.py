@@ -82,7 +82,10 @@ def server_b(kv_server, tmp_path_factory) -> Iterator[SGLangServer]:
 @pytest.fixture
 def embeds_server(kv_server, tmp_path_factory) -> Iterator[SGLangServer]:
     log = tmp_path_factory.mktemp("tier_embeds") / "server.log"
-    with SGLangServer([*_tier_args(kv_server), "--disable-radix-cache"], log_path=log) as e:
+    # bfloat16: SGLang 0.5.23 feeds input_embeds to the model as bfloat16, which a float32
+    # model cannot take (such servers refuse them: sglang_vericache/requests_check.py)
+    args = [*_tier_args(kv_server), "--disable-radix-cache", "--dtype", "bfloat16"]
+    with SGLangServer(args, log_path=log) as e:
         yield e
 
 

@@ -7,6 +7,7 @@ import pytest
 
 from sglang_vericache.requests_check import (
     check_expert_recording,
+    check_input_embeds,
     check_memory_occupation,
     INT32_MAX,
     MAX_PARALLEL_SAMPLES,
@@ -179,3 +180,14 @@ def test_memory_occupation_release_needs_an_accelerator() -> None:
     with pytest.raises(RequestError, match="needs a GPU"):
         check_memory_occupation(False)
     check_memory_occupation(True)
+
+
+def test_input_embeds_need_a_bfloat16_model() -> None:
+    """SGLang 0.5.23 casts input_embeds to bfloat16: a float32 model's scheduler would crash."""
+    import torch
+
+    check_input_embeds(torch.bfloat16)
+    check_input_embeds("bfloat16")
+    for dtype in (torch.float32, torch.float16, "float32"):
+        with pytest.raises(RequestError, match=r"input_embeds: .*--dtype bfloat16"):
+            check_input_embeds(dtype)

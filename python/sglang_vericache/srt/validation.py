@@ -36,6 +36,7 @@ from sglang_vericache.requests_check import (
     check_batch,
     check_batch_items,
     check_expert_recording,
+    check_input_embeds,
     check_memory_occupation,
     check_parallel_samples,
     check_prompt_ids,
@@ -108,6 +109,8 @@ def _validate_one_around(original: Callable[..., Any], manager: Any, obj: Any,
                          input_ids: Any, *args: Any, **kw: Any) -> Any:  # fmt: skip
     result = original(manager, obj, input_ids, *args, **kw)
     vocab_size = _vocab_size(manager)
+    if getattr(obj, "input_embeds", None) is not None:
+        check_input_embeds(manager.model_config.dtype)
     if _prompt_is_checkable(obj) and not (not input_ids and _session_supplies_prompt(obj)):
         field = "input_ids" if getattr(obj, "input_ids", None) is not None else "text"
         check_prompt_ids(input_ids, vocab_size, field=field)
