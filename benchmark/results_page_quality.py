@@ -235,34 +235,56 @@ def fuzz(res: Results) -> list[str]:
     return lines + ["", f"Details: {res.links('fuzz.md')}.", ""] + prose(FUZZ_LIMITS)
 
 
-SOAK_COMMAND = ("python benchmark/soak.py --minutes 60 --concurrency 16 "
-                "--out benchmark/results/soak.json")
 SOAK_TEXT = """
-An hour of mixed traffic (the fuzzer's mix, 10% client disconnects, 3% aborts) against plain SGLang
-and a `--vericache` server writing through to a zmq KV server. Each sample window the servers drain
-and are sampled idle (memory, open files, KV pool tokens, tier bytes in flight). It passes when
-both live, no request fails, greedy answers agree and a last flush returns the pool to its start.
+Mixed traffic (the fuzzer's mix, 10% client disconnects, 3% aborts) at concurrency 16 against plain
+SGLang and a `--vericache` server writing through to a zmq KV server, side by side. Every minute
+the servers drain and are sampled idle: resident memory and open files of the process tree, KV
+pool tokens in use, tier bytes in flight. It passes when both live, no request fails (no answer or
+a 5xx), greedy answers agree and a last flush returns the pool to its start. Slopes are per hour,
+least squares over the samples after the first minute's (warm-up: compiled grammars, allocator
+arenas). A five-minute version runs in the test command (`test/e2e/test_soak.py`).
 """
+
+
+def _soak_command(data: dict) -> str:
+    return (f"python benchmark/soak.py --minutes {data.get('minutes', 60):g} --concurrency "
+            f"{data.get('concurrency', 16)} --out benchmark/results/soak.json")
 
 
 def soak(res: Results) -> list[str]:
     data = res.load("soak.json")
     lines = prose(SOAK_TEXT) + [""]
+    head = ["server", "alive", "requests", "failed", "RSS first / last MiB (slope /h)",
+            "open files first / last (slope /h)", "idle pool tokens first / last",
+            "tier bytes in flight (idle)", "pool start / after flush", "greedy mismatches"]
     if not data:
-        row = Row(("not yet run", "-", "-", "-", "-", "-"), "-", SOAK_COMMAND)
-        return lines + table(["server", "alive", "requests", "failed", ("pool tokens: start / "
-                              "after flush"), "greedy mismatches"], [row])  # fmt: skip
+        row = Row(("not yet run", *["-"] * (len(head) - 1)), "-", _soak_command({}))
+        return lines + table(head, [row])
     mismatches = (data.get("greedy") or {}).get("mismatch_count", "-")
-    rows = [res.row("soak.json", [
-        name, "yes" if s.get("alive") else "NO", s.get("requests", "-"), s.get("failed", "-"),
-        f"{s.get('baseline_used_tokens', '-')} / {s.get('after_flush_used_tokens', '-')}",
-        mismatches], SOAK_COMMAND) for name, s in data.get("servers", {}).items()]  # fmt: skip
-    lines += table(["server", "alive", "requests", "failed",
-                    "pool tokens: start / after flush", "greedy mismatches"], rows)  # fmt: skip
+
+    def trend(s: dict, field: str, scale: float = 1.0) -> str:
+        t = s.get("trends", {}).get(field)
+        if not t:
+            return "-"
+        return (f"{t['first'] / scale:.0f} / {t['last'] / scale:.0f} "
+                f"({t['slope_per_hour'] / scale:+.0f})")
+
+    rows = []
+    for name, s in data.get("servers", {}).items():
+        tier = s.get("trends", {}).get("tier_bytes_in_flight", {})
+        pool = s.get("trends", {}).get("idle_used_tokens", {})
+        rows.append(res.row("soak.json", [
+            name, "yes" if s.get("alive") else "NO", s.get("requests", "-"), s.get("failed", "-"),
+            trend(s, "rss_bytes", 2**20), trend(s, "fds"),
+            f"{pool.get('first', '-')} / {pool.get('last', '-')}",
+            f"max {tier['max']:.0f}" if tier else "-",
+            f"{s.get('baseline_used_tokens', '-')} / {s.get('after_flush_used_tokens', '-')}",
+            mismatches], _soak_command(data)))  # fmt: skip
+    lines += table(head, rows)
     verdict = "passed" if data.get("ok") else "FAILED"
-    return lines + ["", (f"{data.get('minutes', '?')} minutes at concurrency "
-                    f"{data.get('concurrency', '?')}: {verdict}. Trends per hour: "
-                    f"{res.links('soak.md') or 'soak.md'}.")]  # fmt: skip
+    return lines + ["", (f"{data.get('minutes', '?'):g} minutes at concurrency "
+                    f"{data.get('concurrency', '?')} on commit {data.get('commit', '?')}: "
+                    f"{verdict}. Samples: {res.links('soak.md') or 'soak.md'}.")]  # fmt: skip
 
 
 COST_TEXT = """

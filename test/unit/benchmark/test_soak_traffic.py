@@ -1,0 +1,69 @@
+"""The soak's server-free parts (benchmark/soak_traffic.py): the traffic mix, trends, metrics
+parsing and process sampling."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[3]
+sys.path.insert(0, str(REPO / "benchmark"))
+
+from soak_traffic import (  # noqa: E402
+    ABORT, TrafficMix, metric_values, slope, traffic, tree_usage, trends,
+)
+from sglang_vericache.exactness.fuzz import VocabInfo  # noqa: E402
+
+VOCAB = VocabInfo(49152, 8192, (260, 198), hidden_size=576, model_path="/m")
+
+
+def test_traffic_is_seeded_numbered_and_mixes_disconnects_and_aborts() -> None:
+    a = list(itertools.islice(traffic(3, VOCAB, TrafficMix()), 1200))
+    b = list(itertools.islice(traffic(3, VOCAB, TrafficMix()), 1200))
+    assert [c.to_json() for c in a] == [c.to_json() for c in b]
+    assert [c.index for c in a] == list(range(1200))
+    disconnects = sum(c.disconnect_after is not None for c in a) / len(a)
+    aborts = [c for c in a if c.kind == ABORT]
+    assert 0.09 <= disconnects <= 0.2  # 10% injected, plus the fuzzer's own
+    assert 0.015 <= len(aborts) / len(a) <= 0.05
+    assert len({c.body["rid"] for c in aborts}) == len(aborts)  # each abort names its own rid
+    assert {"hidden", "greedy", "grammar"} <= {c.kind for c in a}
+
+
+def test_traffic_leaves_out_what_it_is_told_to() -> None:
+    cases = list(itertools.islice(traffic(1, VOCAB, TrafficMix(), exclude=("hidden",)), 600))
+    assert not any(c.kind == "hidden" for c in cases)
+    with pytest.raises(ValueError, match="shares"):
+        TrafficMix(disconnect=0.8, abort=0.3)
+
+
+def test_trends_fit_a_slope_per_hour_after_the_warm_up_sample() -> None:
+    samples = [{"minute": 0, "rss_bytes": 10, "fds": 5}]  # warm-up: skipped
+    samples += [{"minute": m, "rss_bytes": 1000 + 2 * m, "fds": 40} for m in range(1, 11)]
+    t = trends(samples)
+    assert t["rss_bytes"]["slope_per_hour"] == pytest.approx(120.0)
+    assert t["rss_bytes"]["first"] == 1002 and t["rss_bytes"]["last"] == 1020
+    assert t["fds"]["slope_per_hour"] == 0.0
+    assert slope([1.0], [3.0]) == 0.0 and slope([2.0, 2.0], [1.0, 5.0]) == 0.0
+
+
+def test_metric_values_reads_labelled_samples_of_one_metric() -> None:
+    text = "\n".join([
+        "# HELP vericache:tier_bytes_in_flight Host bytes.",
+        'vericache:tier_bytes_in_flight{kind="put",model_name="default"} 0.0',
+        'vericache:tier_bytes_in_flight{kind="fetch",model_name="default"} 4096.0',
+        'vericache:tier_bytes_in_flight_other{kind="put"} 7.0',
+        "vericache:tier_up 1.0",
+    ])  # fmt: skip
+    values = metric_values(text, "vericache:tier_bytes_in_flight")
+    assert sorted(values.values()) == [0.0, 4096.0]
+    assert metric_values(text, "vericache:tier_up") == {"": 1.0}
+
+
+def test_tree_usage_counts_this_process() -> None:
+    usage = tree_usage(os.getpid())
+    assert usage["processes"] >= 1 and usage["rss_bytes"] > 10 * 2**20 and usage["fds"] >= 3
