@@ -189,21 +189,27 @@ def sampled(res: Results) -> list[str]:
 FUZZ_TEXT = """
 A seeded generator over SGLang's request surface (`sglang_vericache/exactness/fuzz*.py`): text,
 `input_ids` and batches, every sampling parameter, grammars, logprob options, streaming and client
-disconnects, the OpenAI endpoints, malformed requests. Each request goes to a plain and a
-`--vericache` server: same HTTP status, identical greedy tokens, logprobs within 1e-3, both servers
-alive at the end, no KV in use once idle. Penalized requests run alone on each server (plain
-SGLang's overlapped scheduler feeds its penalizers a step late unless a prefill ran in between, so
-its own output for them depends on what else arrives). A CI-sized run (200 requests, seed 13) is
-part of the test command (`test/e2e/test_fuzz_servers.py`).
+disconnects, the OpenAI endpoints, malformed requests, hidden states, batches with an invalid later
+item, `n` with grammars and logprobs, sampled distributions (48 samples a side, two-sample
+chi-square on one decode position's token), `input_embeds`, reloads of the served weights and
+abort storms. Each request goes to a plain and a `--vericache` server: same HTTP status,
+identical greedy tokens, logprobs within 1e-3, hidden states within 1e-3, no distribution test
+below p = 0.001, both servers alive at the end, no KV in use once idle. Penalized requests and
+weight reloads run alone on each server (plain SGLang's overlapped scheduler feeds its penalizers
+a step late unless a prefill ran in between, so its own output for them depends on what else
+arrives). A CI-sized run (80 requests, seed 21: every kind) is part of the test command
+(`test/e2e/test_fuzz_servers.py`). `--profiles no-radix reasoning` runs the same on servers
+that serve `input_embeds` and that wrap grammars in a reasoning parser over outlines.
 """
 
 FUZZ_LIMITS = """
-Limits, plainly: none of the flagged requests is a VeriCache difference. Three are sampled
-requests whose length follows the sample (a regex completing after any number of tokens; a
-streamed chat reply dropping logprob entries of incomplete UTF-8): sampled lengths are compared
-from token ids only. One went unanswered in 300 s by **both** servers: chat with
-`max_completion_tokens: 0` and `ignore_eos`, which SGLang 0.5.23 reads as "no limit" (unlike
-`max_tokens: 0`). Surfaces added to the fuzzer after this run's date are covered by the CI run only.
+Limits, plainly: the run above used the default profile only (the `no-radix` and `reasoning`
+profiles have not been run at length), so `input_embeds` were refused by both servers (SGLang needs
+`--disable-radix-cache` for them) and `return_hidden_states: "last"` by SGLang's HTTP layer on both.
+It is 800 requests over two seeds on a machine loaded by other work; the target is at least 2,000
+over several seeds. One streamed chat request with no token limit (`max_completion_tokens: 0` and
+`ignore_eos`, which SGLang 0.5.23 reads as "no limit") ran for minutes on **both** servers and was
+ended by an `/abort_request` to both.
 """
 
 
