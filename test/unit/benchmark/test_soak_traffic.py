@@ -67,3 +67,21 @@ def test_metric_values_reads_labelled_samples_of_one_metric() -> None:
 def test_tree_usage_counts_this_process() -> None:
     usage = tree_usage(os.getpid())
     assert usage["processes"] >= 1 and usage["rss_bytes"] > 10 * 2**20 and usage["fds"] >= 3
+
+
+def test_only_token_differences_count_as_greedy_mismatches() -> None:
+    from soak import SoakTarget, compare_greedy
+    from sglang_vericache.exactness.fuzz import GENERATE, TOKENS, FuzzCase
+    from sglang_vericache.exactness.fuzz_outputs import Reply
+
+    case = FuzzCase(0, "greedy", GENERATE, {"text": "x"}, TOKENS)
+    case2 = FuzzCase(1, "greedy", GENERATE, {"text": "y"}, TOKENS)
+    ref = {0: Reply(200, {"output_ids": [1, 2], "meta_info": {"hidden_states": [[0.0]]}}),
+           1: Reply(200, {"output_ids": [1, 2], "meta_info": {}})}
+    cand = {0: Reply(200, {"output_ids": [1, 2], "meta_info": {"hidden_states": [[0.5]]}}),
+            1: Reply(200, {"output_ids": [1, 3], "meta_info": {}})}
+    a = SoakTarget("a", "", 0, lambda: True, replies=ref)
+    b = SoakTarget("b", "", 0, lambda: True, replies=cand)
+    out = compare_greedy({0: case, 1: case2}, a, b)
+    assert out["compared"] == 2 and out["mismatch_count"] == 1 and out["other_count"] == 1
+    assert out["mismatches"][0]["index"] == 1 and out["other_differences"][0]["index"] == 0
