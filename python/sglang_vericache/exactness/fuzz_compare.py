@@ -5,7 +5,7 @@ Per case: both answered (no connection error or timeout), with the same status, 
 ids), log-probs equal within a tolerance and hidden states of the same shape within
 ``HIDDEN_TOLERANCE``; for seeded sampling (``COUNT``) the same number of completions and tokens;
 for a ``DISTRIBUTION`` case, the token at the case's decode position (or the output's end)
-distributed alike in both servers' completions (``fuzz_stats.homogeneity_p`` at least
+distributed alike in both servers' completions (``fuzz_stats.chi_square_homogeneity`` at least
 ``DISTRIBUTION_ALPHA``). Top-k lists may differ only by a tie at their boundary, since the order
 of two equal log-probs is not part of the contract.
 """
@@ -19,7 +19,7 @@ from typing import Any
 
 from sglang_vericache.exactness.fuzz import COUNT, TOKENS, FuzzCase
 from sglang_vericache.exactness.fuzz_outputs import Output, Reply, Table, outputs
-from sglang_vericache.exactness.fuzz_stats import homogeneity_p
+from sglang_vericache.exactness.fuzz_stats import chi_square_homogeneity
 from sglang_vericache.exactness.fuzz_surfaces import DISTRIBUTION
 
 DEFAULT_TOLERANCE = 1e-3
@@ -169,7 +169,7 @@ def _compare_distribution(base: dict, case: FuzzCase, ref: list[Output],
     pos = next(int(t[3:]) for t in case.tags if t.startswith("pos"))
     values = [[o.ids[pos] if o.ids is not None and len(o.ids) > pos else "end" for o in side]
               for side in (ref, cand)]  # fmt: skip
-    p = homogeneity_p(*values)
+    p = chi_square_homogeneity(*values).p_value
     if p >= DISTRIBUTION_ALPHA:
         return CaseResult(**base, p_value=p)
     detail = {"position": pos, "p_value": p, "samples": len(ref)}
