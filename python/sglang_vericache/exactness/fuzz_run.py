@@ -16,7 +16,9 @@ depends on what else is in flight (``runs_alone``):
   seen in this fuzzer as different greedy tokens from the same plain server (seed 13, cases
   122 and 182);
 - a weight update (``/update_weights_from_disk``): it waits for the requests in flight, and
-  those after it must see the weights it loaded;
+  those after it must see the weights it loaded; its cache flush fails while any request is
+  still running, so it also waits for the *server* to be idle (a stream the client closed
+  lives on in the scheduler until its abort lands: seed 21, cases 31-33);
 - ``max_new_tokens: 0`` (OpenAI ``max_tokens: 0``): a prefill batch made only of such requests skips sampling, so they get
   no output-token logprob; one that shares its prefill batch with another request gets one.
 
@@ -208,7 +210,9 @@ def run_side(target: Target, cases: Sequence[FuzzCase], *, concurrency: int, tim
     replies: dict[int, Reply] = {}
     with ThreadPoolExecutor(max_workers=max(1, concurrency)) as pool:
         for group in solo_groups(cases):
-            replies.update(pool.map(one, group))  # the pool drains before a solo group
+            if runs_alone(group[0]) and not state["dead"]:
+                wait_idle(target.url, timeout)  # the pool has drained; let the server drain too
+            replies.update(pool.map(one, group))
     return replies
 
 
