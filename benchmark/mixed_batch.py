@@ -2,7 +2,7 @@
 
 VeriCache drafts greedy and sampled rows (speculative sampling) and gives every other row
 (penalties, grammars, ...) one exact token from SGLang's sampler in the same verify
-(``srt/row_sampling.py``). On one ``--vericache`` server with a fixed draft length, side by
+(``srt/decode/row_sampling.py``). On one ``--vericache`` server with a fixed draft length, side by
 side in one run, three batches of the same prompts: all greedy; half greedy + half sampled
 (``temperature`` 0.8); half greedy + half penalized (``repetition_penalty``, plain rows). It
 reports each kind of row's committed tokens per verification. Greedy outputs are compared with

@@ -5,7 +5,7 @@ heads x 64 channels, 9 query heads), each a view of a wider host buffer as an of
 read in place, and N verify queries a row (the last committed token and N - 1 drafts), causal
 within the last N keys:
 
-    sdpa loop     what ``srt/attention.py`` ran before the kernel: per row, one masked
+    sdpa loop     what ``srt/attention/backend.py`` ran before the kernel: per row, one masked
                   ``grouped_sdpa`` call (the group's heads folded into the query axis)
     kernel        ``ops/cpu_verify_decode.py``: every row of the layer in one call
 

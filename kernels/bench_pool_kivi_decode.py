@@ -4,7 +4,7 @@ does without it, and against the device's copy bandwidth.
 For each (shape, bits) at bfloat16: a batch of draft rows (``bench_common.pool_kivi_inputs``:
 B x 8k tokens, the body int-b in pool pages, the newest 128+ tokens float slots). It checks
 ``PoolKiviDecode`` against the float32 reference on those inputs, then times one layer's run
-with the plan's own splits and a few forced ones, and the fallback ``srt/draft_attention.py``
+with the plan's own splits and a few forced ones, and the fallback ``srt/attention/draft_attention.py``
 takes without the kernel (each row's body dequantized, then one SDPA call per row). Reported:
 GB/s = bytes the decode must read / time, as a share of the measured D2D copy bandwidth (read +
 written per second), and the speedup over the fallback.

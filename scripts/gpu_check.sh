@@ -59,7 +59,7 @@ else
   echo "kernel_tests skipped" >> "$OUT/steps.txt"
 fi
 
-# The GPU tests of the serving glue (staging a verify's full KV: srt/full_kv_stage.py) need SGLang
+# The GPU tests of the serving glue (staging a verify's full KV: srt/kv/full_kv_stage.py) need SGLang
 if "$PY" -c "import pytest, sglang" 2>/dev/null; then
   step srt_gpu_tests 120 "$PY" -m pytest test/srt -m gpu -q -p no:cacheprovider -rs \
     --junitxml="$OUT/srt_gpu_tests.xml"

@@ -16,7 +16,7 @@ pool slots are gathered; ``config.Placement``)::
     low_water = slots the running batch takes in one step (each row's verify width, twice)
 
 Offloading a row frees its resident tokens and also shrinks what admission reserves for its
-future (``srt/admission.py``), so covering the deficit with resident tokens is enough; if
+future (``srt/kv/admission.py``), so covering the deficit with resident tokens is enough; if
 admission still fails, the next attempt reports the rest.
 
 Once offloaded, a request stays offloaded (its tail follows: ``PoolOffloader.tail_tokens``): moving

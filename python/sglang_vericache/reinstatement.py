@@ -1,11 +1,11 @@
 """When a demoted row drafts again (pure bookkeeping, no torch).
 
 A drafted row is *demoted* where drafting does not pay and admission is short: its compressed KV
-is dropped so that its pool slots admit a waiting request (``srt/decode_steps.py``,
+is dropped so that its pool slots admit a waiting request (``srt/decode/decode_steps.py``,
 ``_demote_for_room``), and it decodes plainly from its full KV. The room was needed then, not
 for good: once nothing waits for memory and the pool's free slots hold the row's compressed KV
 again, the compressed KV is rebuilt from the full KV (exact, as every token's KV is) and the row
-drafts again wherever the planner finds that drafting pays (``srt/reinstate.py``).
+drafts again wherever the planner finds that drafting pays (``srt/kv/reinstate.py``).
 
 A rebuild compresses the whole context (SmolLM2, KIVI int4, one CPU thread: 47 ms at 1k tokens,
 0.3 s at 4k; StreamingLLM 12 ms), so a row is rebuilt only

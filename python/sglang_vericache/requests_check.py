@@ -34,7 +34,7 @@ every other request with it:
 
 These functions decide, without SGLang, whether a request is one of those; each problem is a
 ``RequestError`` (a ``ValueError``, which SGLang's HTTP layer turns into a 400 carrying the
-message) that names the field and what it accepts. ``sglang_vericache.srt.validation`` calls
+message) that names the field and what it accepts. ``sglang_vericache.srt.hooks.validation`` calls
 them from SGLang's own validation step in the tokenizer process, so the scheduler never sees
 such a request. They cost microseconds per request (``min``/``max`` over the prompt ids).
 """

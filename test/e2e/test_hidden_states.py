@@ -1,7 +1,7 @@
 """Hidden states under ``--vericache``: the same entries per request as plain SGLang.
 
 A request with ``return_hidden_states`` makes its whole decode step plain (``whole_step_reason``
-in ``srt/eligibility.py``); that step's one-token output must reach SGLang's spec result path in
+in ``srt/decode/eligibility.py``); that step's one-token output must reach SGLang's spec result path in
 the layout it reads (row i's entries at ``i * stride``), for every row of a batch, in both
 request modes:
 

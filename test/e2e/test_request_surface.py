@@ -155,7 +155,7 @@ def test_grammar_termination_under_ignore_eos_finishes_like_plain(
 ) -> None:
     """A grammar that ends on an EOS that ``ignore_eos`` does not stop at: plain SGLang sees the
     termination a step late and emits one more token; so must ``--vericache``
-    (``srt/grammar_finish.py``)."""
+    (``srt/hooks/grammar_finish.py``)."""
     city = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
     for extra in ({"regex": r"(yes|no)\."}, {"json_schema": json.dumps(city)}):
         sampling = {**GREEDY, "max_new_tokens": 40, "ignore_eos": True, **extra}
@@ -198,7 +198,7 @@ def test_admin_requests_that_killed_the_scheduler_are_refused(
 ) -> None:
     """Expert-distribution recording on a server without a recorder, and releasing memory
     occupation on a host without a GPU, killed SGLang's scheduler: now a 400 naming the problem
-    (``srt/validation.py``), on both servers, and both keep serving."""
+    (``srt/hooks/validation.py``), on both servers, and both keep serving."""
     data = b"" if body is None else json.dumps(body).encode()
     for server in (plain_server, vericache_server):
         req = urllib.request.Request(server.url + path, data, method="POST",

@@ -342,7 +342,7 @@ def test_a_conversations_next_turn_extends_its_cached_turn_and_matches_plain(
 ) -> None:
     """Turn 2 of a conversation is turn 1's prompt and answer (whose KV came from verifies and
     host buffers) plus a question: a radix hit whose prefill attends only the new tokens'
-    queries (``srt/attention.py``). Both turns answer as plain SGLang does."""
+    queries (``srt/attention/backend.py``). Both turns answer as plain SGLang does."""
     params = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
     turn = {"text": prompts[2].text, "sampling_params": params}
     for n in range(2):

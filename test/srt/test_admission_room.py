@@ -1,6 +1,6 @@
 """Pool room for admission on SGLang's real CPU pools: a finished prefill's offload settled
 before an attempt counts free slots, and drafted rows' compressed-KV reservations released for
-the requests waiting behind them (``srt/admission.py``, ``srt/step_costs.py``), and a resident
+the requests waiting behind them (``srt/kv/admission.py``, ``srt/decode/step_costs.py``), and a resident
 drafted row's compressed KV counted in what it may still take."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ pytestmark = pytest.mark.sglang
 def _release(batch, drafted: list[int], off) -> list[int]:
     """What the worker does where drafting does not pay: the rows ``rows_to_release`` names
     drop their compressed KV and free its slots."""
-    from sglang_vericache.srt.step_costs import rows_to_release
+    from sglang_vericache.srt.decode.step_costs import rows_to_release
 
     rows = rows_to_release(batch, drafted, off.ledger)
     for i in rows:
@@ -30,8 +30,8 @@ def test_release_for_admission_frees_the_largest_reservations_until_the_deficit_
     deficit needs, and admission sees them freed."""
     from types import SimpleNamespace
 
-    from sglang_vericache.srt.offloader import PoolOffloader
-    from sglang_vericache.srt.step_costs import joining_contexts
+    from sglang_vericache.srt.kv.offloader import PoolOffloader
+    from sglang_vericache.srt.decode.step_costs import joining_contexts
 
     kv, rows, alloc = _pools(1)
     off = PoolOffloader(kv, rows, alloc, LAYERS)
@@ -65,8 +65,8 @@ def test_release_for_admission_frees_room_for_every_request_that_joins() -> None
     first's deficit plus the second's whole ask, largest reservations first."""
     from types import SimpleNamespace
 
-    from sglang_vericache.srt.offloader import PoolOffloader
-    from sglang_vericache.srt.step_costs import joining_contexts
+    from sglang_vericache.srt.kv.offloader import PoolOffloader
+    from sglang_vericache.srt.decode.step_costs import joining_contexts
 
     kv, rows, alloc = _pools(1)
     off = PoolOffloader(kv, rows, alloc, LAYERS)
@@ -84,11 +84,11 @@ def test_release_for_admission_frees_room_for_every_request_that_joins() -> None
 @pytest.mark.parametrize("waiting", [True, False])
 def test_admission_counts_the_slots_a_finished_prefills_offload_gives_back(waiting: bool) -> None:
     """A prefill's offload waits for the worker's next forward, unless a request waits for room:
-    then admission runs it first, and the attempt sees the freed slots (srt/admission.py)."""
+    then admission runs it first, and the attempt sees the freed slots (srt/kv/admission.py)."""
     from types import SimpleNamespace
 
-    from sglang_vericache.srt.admission import _new_prefill_around
-    from sglang_vericache.srt.offloader import PoolOffloader
+    from sglang_vericache.srt.kv.admission import _new_prefill_around
+    from sglang_vericache.srt.kv.offloader import PoolOffloader
 
     kv, rows, alloc = _pools(1)
     off = PoolOffloader(kv, rows, alloc, LAYERS)

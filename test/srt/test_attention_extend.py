@@ -1,6 +1,6 @@
 """The ``vericache`` backend's prefix extend against torch_native's, on a real CPU KV pool.
 
-A prefix extend attends only the new tokens' queries (``srt/attention.py``); torch_native runs a
+A prefix extend attends only the new tokens' queries (``srt/attention/backend.py``); torch_native runs a
 query for every prefix position and keeps the last ones. Same attention, so the outputs agree to
 float rounding, for rows with and without a prefix, with queries split into blocks, and with the
 row's prefix moved to its host buffer.
@@ -23,7 +23,7 @@ def _setup(dtype: torch.dtype = torch.float32):
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
-    from sglang_vericache.srt.attention import VeriCacheAttnBackend
+    from sglang_vericache.srt.attention.backend import VeriCacheAttnBackend
 
     torch.manual_seed(0)
     kv = MHATokenToKVPool(SLOTS, 1, dtype, H_KV, D, 1, "cpu", False)
@@ -69,7 +69,7 @@ def _verify(batch, bases: list[int], w: int):
 
 @pytest.mark.parametrize("query_block", [1024, 2])
 def test_a_prefix_extend_attends_as_torch_native_does(monkeypatch, query_block: int) -> None:
-    from sglang_vericache.srt import attention
+    from sglang_vericache.srt.attention import backend as attention
 
     monkeypatch.setattr(attention, "QUERY_BLOCK", query_block)
     backend, layer, batch, q, _ = _setup()
@@ -81,8 +81,8 @@ def test_a_prefix_extend_attends_as_torch_native_does(monkeypatch, query_block: 
 
 
 def test_a_prefix_extend_reads_an_offloaded_prefix_from_its_host_buffer() -> None:
-    from sglang_vericache.srt.offload import PLACEHOLDER_SLOT
-    from sglang_vericache.srt.offloader import PoolOffloader
+    from sglang_vericache.srt.kv.offload import PLACEHOLDER_SLOT
+    from sglang_vericache.srt.kv.offloader import PoolOffloader
 
     backend, layer, batch, q, (kv, rows, alloc) = _setup()
     want = _torch_native(backend, q, layer, batch)
@@ -94,7 +94,7 @@ def test_a_prefix_extend_reads_an_offloaded_prefix_from_its_host_buffer() -> Non
 
 
 def test_a_batch_of_fresh_prompts_keeps_torch_natives_path() -> None:
-    from sglang_vericache.srt import attention
+    from sglang_vericache.srt.attention import backend as attention
 
     _, layer, batch, _, _ = _setup()
     batch.extend_prefix_lens_cpu = [0, 0]
@@ -136,9 +136,9 @@ def test_a_verify_attends_causally_and_builds_each_rows_mask_once_per_forward() 
 
 def test_a_verify_over_a_staged_host_range_equals_one_over_the_host_buffer() -> None:
     """A device pool's verify reads a row's host range from the copy staged while the batch
-    drafted (``srt/full_kv_stage.py``): the same attention as over the host buffer itself."""
-    from sglang_vericache.srt.full_kv_stage import FullKVStager
-    from sglang_vericache.srt.offloader import PoolOffloader
+    drafted (``srt/kv/full_kv_stage.py``): the same attention as over the host buffer itself."""
+    from sglang_vericache.srt.kv.full_kv_stage import FullKVStager
+    from sglang_vericache.srt.kv.offloader import PoolOffloader
 
     backend, layer, batch, _, (kv, rows, alloc) = _setup()
     off = PoolOffloader(kv, rows, alloc, 1)
@@ -158,7 +158,7 @@ def test_a_verify_over_a_staged_host_range_equals_one_over_the_host_buffer() -> 
 def test_a_verify_on_the_cpu_kernel_attends_as_the_sdpa_loop_does() -> None:
     """One kernel call per layer for every row (``ops/cpu_verify_decode.py``), a row's prefix
     offloaded to its host buffer or not: the SDPA loop's attention within float32 rounding."""
-    from sglang_vericache.srt.offloader import PoolOffloader
+    from sglang_vericache.srt.kv.offloader import PoolOffloader
 
     backend, layer, batch, _, (kv, rows, alloc) = _setup()
     assert backend.verify_kernel is not None, "the CPU attention kernels did not build"

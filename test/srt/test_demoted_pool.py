@@ -13,7 +13,7 @@ import pytest
 import torch
 from test_offload import D, H_KV, LAYERS, SLOTS, _fill_row, _full_kv, _pools, _tree_slots, _with_tree
 
-from sglang_vericache.srt.draft_ahead import DraftAhead
+from sglang_vericache.srt.prefix.draft_ahead import DraftAhead
 from sglang_vericache.tier.demoted import DemotedPrefixes
 
 pytestmark = pytest.mark.sglang
@@ -128,9 +128,9 @@ def test_a_finished_turn_comes_back_full_evicting_older_cached_nodes_with_a_tier
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
     from sglang.srt.mem_cache.radix_cache import RadixKey
 
-    from sglang_vericache.srt.offloader import PoolOffloader
-    from sglang_vericache.srt.radix_cache import VeriCacheRadixCache
-    from sglang_vericache.srt.remote_prefix import RemotePrefixLink
+    from sglang_vericache.srt.kv.offloader import PoolOffloader
+    from sglang_vericache.srt.prefix.radix_cache import VeriCacheRadixCache
+    from sglang_vericache.srt.prefix.remote_prefix import RemotePrefixLink
     from sglang_vericache.tier.geometry import KVGeometry
     from sglang_vericache.tier.host import HostTier
 

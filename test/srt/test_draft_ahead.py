@@ -15,9 +15,9 @@ import torch
 from torch import nn
 
 from sglang_vericache.compress import Full
-from sglang_vericache.srt.draft_ahead import DraftAhead
-from sglang_vericache.srt.draft_state import RequestDraftState
-from sglang_vericache.srt.llama_drafter import LlamaDrafter
+from sglang_vericache.srt.prefix.draft_ahead import DraftAhead
+from sglang_vericache.srt.kv.draft_state import RequestDraftState
+from sglang_vericache.srt.prefix.llama_drafter import LlamaDrafter
 from sglang_vericache.tier.demoted import DemotedPrefixes
 
 LAYERS, HIDDEN, HEADS, KV_HEADS, VOCAB = 2, 64, 4, 2, 97
@@ -193,7 +193,7 @@ def test_proposals_need_every_request_of_the_batch() -> None:
 
 
 def _job(rid: str, drafts: list[int]):
-    from sglang_vericache.srt.draft_ahead import AheadJob
+    from sglang_vericache.srt.prefix.draft_ahead import AheadJob
     from sglang_vericache.tier.demoted import DemotedPrefix
 
     return AheadJob(rid, DemotedPrefix((0,), None, 0, 0, None, 0), [], 8, drafts=list(drafts))

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.sglang
 
 def _lodge(pool, states) -> None:
     """Lodge each state in a draft row of ``pool``'s slots 300.. (clear of the test's tokens)."""
-    from sglang_vericache.srt.draft_rows import DraftRow
+    from sglang_vericache.srt.kv.draft_rows import DraftRow
 
     free = iter(range(300, 512))
     take = lambda n: torch.tensor([next(free) for _ in range(n)], dtype=torch.int64)  # noqa: E731
@@ -56,7 +56,7 @@ def test_draft_plan_equals_attention_over_view_and_chain(pool, spec: str, batche
     from sglang_vericache.ops.cpu_draft_decode import load_cpu_draft_decode
     from sglang_vericache.ops.dropped_decode import TorchDroppedKVDecoder
     from sglang_vericache.ops.pool_kivi_decode import PoolKiviDecode
-    from sglang_vericache.srt.draft_attention import DraftPlan
+    from sglang_vericache.srt.attention.draft_attention import DraftPlan
 
     plans = []
 
@@ -70,7 +70,7 @@ def test_draft_plan_equals_attention_over_view_and_chain(pool, spec: str, batche
             plans.append("triton")
             super().plan(*args, **kw)
 
-    from sglang_vericache.srt.draft_state import RequestDraftState
+    from sglang_vericache.srt.kv.draft_state import RequestDraftState
 
     compressor = build_compressor(spec)
     states = []
@@ -132,8 +132,8 @@ def test_a_batch_partly_in_the_pool_reads_those_rows_with_the_decoder(
     others attend one SDPA call each; a decoder that reads no drafted row is not called."""
     from sglang_vericache.ops.dropped_decode import TorchDroppedKVDecoder
     from sglang_vericache.ops.pool_kivi_decode import PoolKiviDecode
-    from sglang_vericache.srt.draft_attention import DraftPlan
-    from sglang_vericache.srt.draft_state import RequestDraftState
+    from sglang_vericache.srt.attention.draft_attention import DraftPlan
+    from sglang_vericache.srt.kv.draft_state import RequestDraftState
 
     planned = []
 
@@ -175,8 +175,8 @@ def test_a_packed_body_the_kernel_refuses_is_dequantized(pool) -> None:
     """Where the kernel turns a batch down (here: a float64 query) the per-row path reads each
     packed KIVI body dequantized, and attends as the reference does."""
     from sglang_vericache.ops.cpu_draft_decode import load_cpu_draft_decode
-    from sglang_vericache.srt.draft_attention import DraftPlan
-    from sglang_vericache.srt.draft_state import RequestDraftState
+    from sglang_vericache.srt.attention.draft_attention import DraftPlan
+    from sglang_vericache.srt.kv.draft_state import RequestDraftState
 
     kernel = load_cpu_draft_decode()
     assert kernel is not None, "the CPU draft-attention kernel did not build"

@@ -53,13 +53,13 @@ class Logits(nn.Module):
 
 
 def bf16():
-    from sglang_vericache.srt.draft_precision import ShadowFormat
+    from sglang_vericache.srt.attention.draft_precision import ShadowFormat
 
     return ShadowFormat(torch.bfloat16)
 
 
 def test_outside_drafting_every_layer_is_bit_identical_and_inside_runs_on_shadows() -> None:
-    from sglang_vericache.srt.draft_precision import DraftPrecision, ShadowLinearMethod, drafting
+    from sglang_vericache.srt.attention.draft_precision import DraftPrecision, ShadowLinearMethod, drafting
 
     model = TinyCausalLM()
     x = torch.randn(8, 32)
@@ -87,7 +87,7 @@ def test_outside_drafting_every_layer_is_bit_identical_and_inside_runs_on_shadow
 
 
 def test_drafting_without_shadows_is_a_no_op_and_the_switch_resets_on_error() -> None:
-    from sglang_vericache.srt.draft_precision import DraftPrecision, drafting
+    from sglang_vericache.srt.attention.draft_precision import DraftPrecision, drafting
 
     with drafting(None):
         pass
@@ -99,7 +99,7 @@ def test_drafting_without_shadows_is_a_no_op_and_the_switch_resets_on_error() ->
 
 
 def test_layers_already_in_the_draft_dtype_are_not_copied() -> None:
-    from sglang_vericache.srt.draft_precision import DraftPrecision
+    from sglang_vericache.srt.attention.draft_precision import DraftPrecision
 
     model = TinyCausalLM().to(torch.bfloat16)
     precision = DraftPrecision(bf16()).install(model)
@@ -109,7 +109,7 @@ def test_layers_already_in_the_draft_dtype_are_not_copied() -> None:
 
 
 def test_packed_fp16_shadows_compute_in_fp32_over_fp16_rounded_weights() -> None:
-    from sglang_vericache.srt.draft_precision import (
+    from sglang_vericache.srt.attention.draft_precision import (
         DraftPrecision,
         ShadowFormat,
         drafting,
@@ -139,7 +139,7 @@ def test_packed_fp16_shadows_compute_in_fp32_over_fp16_rounded_weights() -> None
 
 
 def test_choose_draft_format_follows_the_flag_and_the_model_dtype() -> None:
-    from sglang_vericache.srt.draft_precision import (
+    from sglang_vericache.srt.attention.draft_precision import (
         ShadowFormat,
         choose_draft_format,
         packed_fp16_available,

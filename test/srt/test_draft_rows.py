@@ -35,7 +35,7 @@ def _kv(seed: int, n: int) -> tuple[list[torch.Tensor], list[torch.Tensor], list
 
 
 def _state(spec: str):
-    from sglang_vericache.srt.draft_state import RequestDraftState
+    from sglang_vericache.srt.kv.draft_state import RequestDraftState
 
     keys, values, queries = _kv(0, T)
     return RequestDraftState.build(build_compressor(spec), lambda l: (keys[l], values[l]), T,
@@ -56,7 +56,7 @@ def _grow(state, steps: list[int]) -> None:
 
 
 def _row(kv, alloc, take=None):
-    from sglang_vericache.srt.draft_rows import DraftRow
+    from sglang_vericache.srt.kv.draft_rows import DraftRow
 
     take = take or (lambda n: alloc.alloc(n).to(torch.int64))
     return DraftRow(kv, take)
@@ -155,7 +155,7 @@ def test_a_row_that_cannot_grow_leaves_the_columns_in_buffers_of_their_own() -> 
 def test_the_offloader_lodges_a_state_and_gives_every_slot_back() -> None:
     from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 
-    from sglang_vericache.srt.offloader import PoolOffloader
+    from sglang_vericache.srt.kv.offloader import PoolOffloader
 
     kv, alloc = _pool_and_alloc()
     rows = ReqToTokenPool(2, 512, "cpu", False)
@@ -189,7 +189,7 @@ def test_a_draft_row_outlives_its_rows_offloads_and_release_gives_every_slot_bac
     range stays, and a state still alive keeps its KV, copied out."""
     from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 
-    from sglang_vericache.srt.offloader import PoolOffloader
+    from sglang_vericache.srt.kv.offloader import PoolOffloader
 
     kv, alloc = _pool_and_alloc()
     rows = ReqToTokenPool(2, 512, "cpu", False)
@@ -221,7 +221,7 @@ def test_a_plain_row_holds_nothing() -> None:
     """An offload-only row (no compressed KV) gets no draft row."""
     from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 
-    from sglang_vericache.srt.offloader import PoolOffloader
+    from sglang_vericache.srt.kv.offloader import PoolOffloader
 
     kv, alloc = _pool_and_alloc()
     rows = ReqToTokenPool(2, 512, "cpu", False)
@@ -236,7 +236,7 @@ def test_a_body_paged_in_another_row_is_copied_into_this_rows_pages() -> None:
     taken from the paged block) instead of pointing at slots it does not hold."""
     from sglang_vericache.compress import Kivi
     from sglang_vericache.compress.kivi_pages import PagedKiviBlock
-    from sglang_vericache.srt.draft_rows import PoolViewStore
+    from sglang_vericache.srt.kv.draft_rows import PoolViewStore
 
     kv, alloc = _pool_and_alloc()
     block = Kivi(bits=4, group=16).quantize(torch.randn(H_KV, 64, D), torch.randn(H_KV, 64, D))

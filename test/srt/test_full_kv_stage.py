@@ -1,4 +1,4 @@
-"""Staging a verify's host-resident full KV on the pool's device (``srt/full_kv_stage.py``) on
+"""Staging a verify's host-resident full KV on the pool's device (``srt/kv/full_kv_stage.py``) on
 SGLang's real pool and allocator: staged reads hold exactly the bytes unstaged reads do, come
 from the staged copy, respect the budget, and are gone after ``release``.
 
@@ -20,7 +20,7 @@ def _offloaded_rows(device: str):
     from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 
-    from sglang_vericache.srt.offloader import PoolOffloader
+    from sglang_vericache.srt.kv.offloader import PoolOffloader
 
     kv = MHATokenToKVPool(SLOTS, 1, torch.float32, H_KV, D, LAYERS, device, False)
     for layer in range(LAYERS):
@@ -50,7 +50,7 @@ def _row_bytes(off, row: int) -> int:
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_staged_reads_equal_the_host_reads_and_come_from_the_copy(device: str) -> None:
-    from sglang_vericache.srt.full_kv_stage import FullKVStager
+    from sglang_vericache.srt.kv.full_kv_stage import FullKVStager
 
     off, ends, before = _offloaded_rows(device)
     stager = FullKVStager(off.ledger, device, budget_bytes=1 << 30)
@@ -75,7 +75,7 @@ def test_staged_reads_equal_the_host_reads_and_come_from_the_copy(device: str) -
 
 
 def test_the_budget_skips_a_row_that_does_not_fit_but_not_a_smaller_one_after_it() -> None:
-    from sglang_vericache.srt.full_kv_stage import FullKVStager
+    from sglang_vericache.srt.kv.full_kv_stage import FullKVStager
 
     off, ends, before = _offloaded_rows("cpu")
     budget = _row_bytes(off, 3) + _row_bytes(off, 2)  # row 1 (140 tokens) does not fit after 3
@@ -92,7 +92,7 @@ def test_the_budget_skips_a_row_that_does_not_fit_but_not_a_smaller_one_after_it
 
 def test_tokens_offloaded_after_staging_are_read_from_the_host() -> None:
     """A staged copy holds the host range as it was: later host tokens come from the host."""
-    from sglang_vericache.srt.full_kv_stage import FullKVStager
+    from sglang_vericache.srt.kv.full_kv_stage import FullKVStager
 
     off, _, before = _offloaded_rows("cpu")
     stager = FullKVStager(off.ledger, "cpu", budget_bytes=1 << 30)
@@ -104,7 +104,7 @@ def test_tokens_offloaded_after_staging_are_read_from_the_host() -> None:
 
 
 def test_a_host_memory_pool_stages_nothing() -> None:
-    from sglang_vericache.srt.full_kv_stage import FullKVStager
+    from sglang_vericache.srt.kv.full_kv_stage import FullKVStager
 
     off, ends, _ = _offloaded_rows("cpu")
     stager = FullKVStager.for_pool(off.ledger, "cpu")

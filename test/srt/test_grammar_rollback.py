@@ -1,5 +1,5 @@
 """Grammars under a reasoning parser: drafted only where the wrapped grammar can roll back, and a
-matcher whose rollback raises ends its request, not the scheduler (``srt/grammar_rollback.py``).
+matcher whose rollback raises ends its request, not the scheduler (``srt/hooks/grammar_rollback.py``).
 
 With ``--reasoning-parser`` SGLang wraps every grammar in a ``ReasonerGrammarObject``; its
 ``rollback`` calls the wrapped grammar's for tokens past the reasoning's end, and an outlines
@@ -65,7 +65,7 @@ def test_rollback_is_decided_by_the_wrapped_grammar(outlines_backend, tokenizer)
     from sglang.srt.constrained.base_grammar_backend import BaseGrammarObject
     from sglang.srt.constrained.reasoner_grammar_backend import ReasonerGrammarObject
 
-    from sglang_vericache.srt.eligibility import (
+    from sglang_vericache.srt.decode.eligibility import (
         StepRows,
         decode_mode,
         plain_reason,
@@ -91,7 +91,7 @@ def test_a_matcher_that_cannot_roll_back_ends_its_request_not_the_step(
         outlines_backend, tokenizer) -> None:  # fmt: skip
     from sglang.srt.managers.schedule_batch import FINISH_ABORT
 
-    from sglang_vericache.srt.grammar_rollback import roll_back_or_abort
+    from sglang_vericache.srt.hooks.grammar_rollback import roll_back_or_abort
     from sglang_vericache.verify.grammar_chain import GrammarChain
 
     end, yes, other = token(tokenizer, "\n"), token(tokenizer, "yes"), token(tokenizer, " the")

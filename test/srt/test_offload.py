@@ -41,8 +41,8 @@ def _full_kv(offloader, row: int, end: int) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_offload_frees_slots_and_reads_back_exactly(page_size: int) -> None:
-    from sglang_vericache.srt.offload import PLACEHOLDER_SLOT, TAIL_CHUNK
-    from sglang_vericache.srt.offloader import PoolOffloader
+    from sglang_vericache.srt.kv.offload import PLACEHOLDER_SLOT, TAIL_CHUNK
+    from sglang_vericache.srt.kv.offloader import PoolOffloader
 
     kv, rows, alloc = _pools(page_size)
     off = PoolOffloader(kv, rows, alloc, LAYERS)
@@ -75,7 +75,7 @@ def test_offload_frees_slots_and_reads_back_exactly(page_size: int) -> None:
 
 
 def test_restore_and_drop_give_every_slot_back() -> None:
-    from sglang_vericache.srt.offloader import PoolOffloader
+    from sglang_vericache.srt.kv.offloader import PoolOffloader
 
     kv, rows, alloc = _pools(1)
     off = PoolOffloader(kv, rows, alloc, LAYERS)
@@ -97,7 +97,7 @@ def test_restore_and_drop_give_every_slot_back() -> None:
 
 
 def test_restore_fails_cleanly_when_the_pool_is_full() -> None:
-    from sglang_vericache.srt.offloader import PoolOffloader
+    from sglang_vericache.srt.kv.offloader import PoolOffloader
 
     kv, rows, alloc = _pools(1)
     off = PoolOffloader(kv, rows, alloc, LAYERS)
@@ -115,7 +115,7 @@ def test_restore_fails_cleanly_when_the_pool_is_full() -> None:
 def test_a_wholly_offloaded_row_is_read_in_place_with_its_pool_tail() -> None:
     """Offloaded from position 0 with room in the host buffer: the read is a view of the host
     buffer (no copy of the offloaded tokens) holding exactly the pool's bytes, tail included."""
-    from sglang_vericache.srt.offloader import PoolOffloader
+    from sglang_vericache.srt.kv.offloader import PoolOffloader
 
     kv, rows, alloc = _pools(1)
     off = PoolOffloader(kv, rows, alloc, LAYERS)
@@ -136,7 +136,7 @@ def test_a_wholly_offloaded_row_is_read_in_place_with_its_pool_tail() -> None:
 def test_a_row_in_one_run_of_pool_slots_is_read_in_place() -> None:
     """A resident row whose slots are one ascending run is a view of the pool; a scattered row
     is gathered; both hold the pool's bytes."""
-    from sglang_vericache.srt.offload import OffloadLedger, read_pool_kv
+    from sglang_vericache.srt.kv.offload import OffloadLedger, read_pool_kv
 
     kv, rows, _ = _pools(1)
     ledger = OffloadLedger()
@@ -154,7 +154,7 @@ def test_a_row_in_one_run_of_pool_slots_is_read_in_place() -> None:
 def test_a_range_spanning_pool_host_and_tail_reads_exactly() -> None:
     """read_range over [start, end) crossing the tree-owned pool prefix, the host range and
     the pool tail returns the pool's original bytes for exactly those positions."""
-    from sglang_vericache.srt.offloader import PoolOffloader
+    from sglang_vericache.srt.kv.offloader import PoolOffloader
 
     kv, rows, alloc = _pools(1)
     off = PoolOffloader(kv, rows, alloc, LAYERS)
@@ -254,8 +254,8 @@ def test_pressure_counts_cached_prefixes_as_room_and_offloads_rows_whole() -> No
     Under real pressure a resident row moves whole and the tree keeps its slots, unpinned."""
     from types import SimpleNamespace
 
-    from sglang_vericache.srt.draft_state import RequestDraftState
-    from sglang_vericache.srt.step_costs import relieve_pressure
+    from sglang_vericache.srt.kv.draft_state import RequestDraftState
+    from sglang_vericache.srt.decode.step_costs import relieve_pressure
 
     kv, rows, alloc, tree, worker = _with_tree(1)
     _fill_row(rows, alloc, 0, 100)
@@ -280,8 +280,8 @@ def _with_tree(page_size: int):
     which finds the tree through the ledger they share."""
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 
-    from sglang_vericache.srt.offloader import PoolOffloader
-    from sglang_vericache.srt.radix_cache import VeriCacheRadixCache
+    from sglang_vericache.srt.kv.offloader import PoolOffloader
+    from sglang_vericache.srt.prefix.radix_cache import VeriCacheRadixCache
 
     kv, rows, alloc = _pools(page_size)
     params = CacheInitParams(disable=False, req_to_token_pool=rows,
@@ -303,7 +303,7 @@ def test_restore_points_at_the_slots_the_tree_holds_and_copies_only_the_rest() -
     """A finished row whose prompt the tree adopted comes back without copying the prompt."""
     from types import SimpleNamespace
 
-    from sglang_vericache.srt.offloader import PoolOffloader
+    from sglang_vericache.srt.kv.offloader import PoolOffloader
 
     kv, rows, alloc = _pools(1)
     off = PoolOffloader(kv, rows, alloc, LAYERS)
@@ -377,7 +377,7 @@ def test_a_row_is_sized_for_its_remaining_output_so_decode_appends_never_regrow_
     from sglang.srt.managers.schedule_batch import Req
     from sglang.srt.sampling.sampling_params import SamplingParams
 
-    from sglang_vericache.srt.offloader import PoolOffloader
+    from sglang_vericache.srt.kv.offloader import PoolOffloader
 
     kv, rows, alloc = _pools(1)
     off = PoolOffloader(kv, rows, alloc, LAYERS)

@@ -34,7 +34,7 @@ def test_every_row_reads_its_own_hidden_state_from_a_plain_step(mode) -> None:
         SchedulerBatchResultProcessor,
     )
 
-    from sglang_vericache.srt.batch_inputs import one_token_rows
+    from sglang_vericache.srt.decode.batch_inputs import one_token_rows
 
     hidden = torch.arange(BS * HIDDEN, dtype=torch.float32).view(BS, HIDDEN)
     out = plain_forward_output(hidden.clone())
@@ -53,7 +53,7 @@ def test_every_row_reads_its_own_hidden_state_from_a_plain_step(mode) -> None:
 
 
 def test_a_plain_step_without_hidden_states_leaves_them_none() -> None:
-    from sglang_vericache.srt.batch_inputs import one_token_rows
+    from sglang_vericache.srt.decode.batch_inputs import one_token_rows
 
     out = plain_forward_output(None)
     one_token_rows(out, WIDTH)
@@ -74,7 +74,7 @@ def test_watermarked_rows_make_the_step_plain() -> None:
     batch's ``SamplingBatchInfo``) decode the whole step through SGLang's sampler."""
     from sglang.srt.sampling.watermarking.core import build_watermark_batch_config
 
-    from sglang_vericache.srt.eligibility import StepRows, whole_step_reason
+    from sglang_vericache.srt.decode.eligibility import StepRows, whole_step_reason
 
     def candidates(reqs: list, default_enabled: bool = False) -> list[bool]:
         return build_watermark_batch_config(reqs, default_key="0x5eed", default_context_window=4,

@@ -1,4 +1,4 @@
-"""Demoted rows draft again once room returns (``srt/reinstate.py``), on SGLang's real pools.
+"""Demoted rows draft again once room returns (``srt/kv/reinstate.py``), on SGLang's real pools.
 
 A drafted row whose compressed KV was dropped for admission (``_demote_for_room``: the book
 demotes it, its draft row's slots go back) used to stay plain for the rest of its life, however
@@ -35,10 +35,10 @@ def _req(rid: str, max_new: int = 200, output: int = 0):
 def _demoted_row(spec: str):
     """A drafted row offloaded at its prompt (its compressed KV in its draft row), then demoted
     for admission as ``_demote_for_room`` does; its next ``COOLDOWN_TOKENS`` decoded plainly."""
-    from sglang_vericache.srt.draft_length import DraftLengthController
-    from sglang_vericache.srt.draft_state import RequestDraftState
-    from sglang_vericache.srt.offloader import PoolOffloader
-    from sglang_vericache.srt.request_book import RequestBook
+    from sglang_vericache.verify.draft_length import DraftLengthController
+    from sglang_vericache.srt.kv.draft_state import RequestDraftState
+    from sglang_vericache.srt.kv.offloader import PoolOffloader
+    from sglang_vericache.srt.decode.request_book import RequestBook
 
     kv, rows, alloc = _pools(1)
     off = PoolOffloader(kv, rows, alloc, LAYERS)
@@ -63,15 +63,15 @@ def _demoted_row(spec: str):
 
 
 def _still(batch, book, off, compressor) -> set[int]:
-    from sglang_vericache.srt.reinstate import still_demoted
+    from sglang_vericache.srt.kv.reinstate import still_demoted
 
     return still_demoted(batch, book, off, compressor, LAYERS, width=5)
 
 
 @pytest.mark.parametrize("spec", ["kivi:bits=4,group=16,residual=16", "streaming:sink=4,window=32"])
 def test_a_demoted_row_drafts_again_from_a_rebuilt_compressed_kv_once_room_returns(spec) -> None:
-    from sglang_vericache.srt.draft_state import RequestDraftState
-    from sglang_vericache.srt.eligibility import StepRows
+    from sglang_vericache.srt.kv.draft_state import RequestDraftState
+    from sglang_vericache.srt.decode.eligibility import StepRows
 
     off, rows, alloc, compressor, book, batch, length = _demoted_row(spec)
     ledger = off.ledger

@@ -1,7 +1,7 @@
 """Requests that used to kill SGLang's scheduler get HTTP 400, and the server keeps serving.
 
 Each case below took a plain SGLang 0.5.23 CPU server down (the scheduler raised in its first
-forward pass, or queued work for hours) before ``sglang_vericache.srt.validation``; each must
+forward pass, or queued work for hours) before ``sglang_vericache.srt.hooks.validation``; each must
 now be a 400 whose message names the offending field, on the plain and the ``--vericache``
 server alike, and a greedy request afterwards must still be answered.
 """

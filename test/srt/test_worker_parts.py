@@ -34,7 +34,7 @@ class LayerPool:
 
 
 def reader(pool):
-    from sglang_vericache.srt.offload import read_pool_kv
+    from sglang_vericache.srt.kv.offload import read_pool_kv
 
     return lambda layer, slots: read_pool_kv(LayerPool(pool), layer, slots)
 
@@ -48,7 +48,7 @@ def layer_reader(pool, slots):
 @pytest.mark.parametrize("spec", ["kivi:bits=4", "streaming:sink=4,window=28",
                                   "snapkv:ratio=0.5+kivi:bits=2"])  # fmt: skip
 def test_state_builds_grows_and_stays_in_step(pool, spec: str) -> None:
-    from sglang_vericache.srt.draft_state import RequestDraftState
+    from sglang_vericache.srt.kv.draft_state import RequestDraftState
 
     slots = torch.randperm(200)[:T]
     queries = [torch.randn(H_Q, 8, D) for _ in range(LAYERS)]
@@ -71,7 +71,7 @@ def test_state_builds_grows_and_stays_in_step(pool, spec: str) -> None:
 
 
 def test_identity_compressor_view_is_the_full_kv(pool) -> None:
-    from sglang_vericache.srt.draft_state import RequestDraftState
+    from sglang_vericache.srt.kv.draft_state import RequestDraftState
 
     slots = torch.arange(T)
     state = RequestDraftState.build(build_compressor("full"), layer_reader(pool, slots), T,
@@ -108,7 +108,7 @@ def _req(**sampling):
 )
 def test_each_row_decodes_greedy_sampled_or_plain(sampling: dict, mode: str,
                                                   reason: str | None) -> None:  # fmt: skip
-    from sglang_vericache.srt.eligibility import decode_mode, plain_reason
+    from sglang_vericache.srt.decode.eligibility import decode_mode, plain_reason
 
     req = _req(**sampling)
     got = plain_reason(req)
@@ -118,7 +118,7 @@ def test_each_row_decodes_greedy_sampled_or_plain(sampling: dict, mode: str,
 
 def test_grammar_rows_draft_when_their_backend_rolls_back_and_step_rows_split_a_batch() -> None:
     from sglang.srt.constrained.base_grammar_backend import BaseGrammarObject
-    from sglang_vericache.srt.eligibility import StepRows, plain_reason
+    from sglang_vericache.srt.decode.eligibility import StepRows, plain_reason
 
     class RollsBack(BaseGrammarObject):  # xgrammar, llguidance
         def rollback(self, k: int) -> None:
@@ -141,7 +141,7 @@ def test_grammar_rows_draft_when_their_backend_rolls_back_and_step_rows_split_a_
 
 
 def test_logprob_requests_are_drafted_and_hidden_states_make_the_step_plain() -> None:
-    from sglang_vericache.srt.eligibility import plain_reason, whole_step_reason
+    from sglang_vericache.srt.decode.eligibility import plain_reason, whole_step_reason
 
     req = _req(temperature=0)
     req.return_logprob = True  # served from the verify logits
@@ -157,13 +157,13 @@ def test_logprob_requests_are_drafted_and_hidden_states_make_the_step_plain() ->
     (False, [5], 5),
 ])  # fmt: skip
 def test_penalizers_learn_the_token_plain_sglang_would_feed(overlapped, output, want) -> None:
-    from sglang_vericache.srt.penalties import penalized_token
+    from sglang_vericache.srt.hooks.penalties import penalized_token
 
     assert penalized_token(output, [1, 2, 99], overlapped) == want
 
 
 def test_torch_row_assignment_matches_the_kernel_contract() -> None:
-    from sglang_vericache.srt.patches import assign_rows_torch
+    from sglang_vericache.srt.hooks.patches import assign_rows_torch
 
     table = torch.zeros(4, 10, dtype=torch.int32)
     rows, start, end = torch.tensor([2, 0]), torch.tensor([3, 0]), torch.tensor([6, 2])
@@ -174,7 +174,7 @@ def test_torch_row_assignment_matches_the_kernel_contract() -> None:
 
 
 def test_meta_info_hook_keeps_the_latest_counters_only() -> None:
-    from sglang_vericache.srt.patches import META_INFO_KEY, _meta_info_around
+    from sglang_vericache.srt.hooks.patches import META_INFO_KEY, _meta_info_around
 
     calls = []
     meta: dict = {}
@@ -190,7 +190,7 @@ def test_catching_up_equals_appending_token_by_token(pool, spec: str) -> None:
     """Plain steps leave a state behind; one catch-up from the full KV leaves it exactly where
     appending each plain step's token would have (the caches do not depend on chunking). Its
     folds score by the prompt's queries (plain steps bring none: a scorer used to raise)."""
-    from sglang_vericache.srt.draft_state import FOLD_EVERY, RECENT_WINDOW, RequestDraftState
+    from sglang_vericache.srt.kv.draft_state import FOLD_EVERY, RECENT_WINDOW, RequestDraftState
 
     compressor = build_compressor(spec)
     queries = [torch.randn(H_Q, 8, D) for _ in range(LAYERS)]
@@ -219,7 +219,7 @@ def test_a_stored_prefix_seeds_a_new_state_and_stays_as_it_was(pool, spec: str) 
     its queries, and the result equals building the stored state then appending the same
     positions. Two copies grown differently never touch each other or the stored state (a
     dropper's view buffer is written in place past its view)."""
-    from sglang_vericache.srt.draft_state import RequestDraftState
+    from sglang_vericache.srt.kv.draft_state import RequestDraftState
 
     compressor = build_compressor(spec)
     queries = [torch.randn(H_Q, 8, D) for _ in range(LAYERS)]

@@ -1,4 +1,4 @@
-"""Admission reserves what a drafted request really keeps in the pool (srt/admission.py)."""
+"""Admission reserves what a drafted request really keeps in the pool (srt/kv/admission.py)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ pytest.importorskip("sglang")
 
 
 def test_future_tokens_follow_the_compressed_fraction() -> None:
-    from sglang_vericache.srt.admission import vericache_future_tokens
-    from sglang_vericache.srt.offload import TAIL_CHUNK
+    from sglang_vericache.srt.kv.admission import vericache_future_tokens
+    from sglang_vericache.srt.kv.offload import TAIL_CHUNK
 
     # 4x compressor (512 slots held for 2048 offloaded), 180 tokens still expected, width 9
     got = vericache_future_tokens(180.0, reserved=512, offloaded=2048, verify_width=9)
@@ -28,7 +28,7 @@ def test_queued_asks_follow_the_request_that_lacked_room_in_queue_order() -> Non
 
     from sglang.srt.managers.schedule_policy import CLIP_MAX_NEW_TOKENS
 
-    from sglang_vericache.srt.admission import queued_asks, request_ask
+    from sglang_vericache.srt.kv.admission import queued_asks, request_ask
 
     def req(rid: str, prompt: int, cached: int, max_new: int):
         return SimpleNamespace(rid=rid, full_untruncated_fill_ids=[0] * prompt, prefix_len=cached,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from sglang_vericache.placement import ResidentRow, low_water, rows_to_offload, shortfall
-from sglang_vericache.srt.admission import admission_deficit
+from sglang_vericache.srt.kv.admission import admission_deficit
 
 
 def test_no_pressure_keeps_everything_resident() -> None:

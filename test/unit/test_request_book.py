@@ -1,12 +1,12 @@
-"""srt/request_book.py: one home for the worker's per-request tables, and StepRows.without."""
+"""srt/decode/request_book.py: one home for the worker's per-request tables, and StepRows.without."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
-from sglang_vericache.srt.draft_length import DraftLengthController
-from sglang_vericache.srt.eligibility import StepRows
-from sglang_vericache.srt.request_book import DEMOTED, OFFLOAD_ONLY, Demotion, RequestBook
+from sglang_vericache.verify.draft_length import DraftLengthController
+from sglang_vericache.srt.decode.eligibility import StepRows
+from sglang_vericache.srt.decode.request_book import DEMOTED, OFFLOAD_ONLY, Demotion, RequestBook
 from sglang_vericache.verify import VeriCacheStats, VerifyRecord
 from sglang_vericache.verify.stats import DecodeMode
 

@@ -1,4 +1,4 @@
-"""A mixed verify step's acceptance (``srt/row_acceptance.py``): greedy rows exactly as
+"""A mixed verify step's acceptance (``verify/row_acceptance.py``): greedy rows exactly as
 ``greedy_accept``, sampled rows by speculative sampling, merged into one batch result.
 
 Synthetic logits, no model and no server: the per-position exactness of speculative sampling is
@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from sglang_vericache.srt.row_acceptance import SampledDrafts, accept_step, merge_accept, row_seeds
+from sglang_vericache.verify.row_acceptance import SampledDrafts, accept_step, merge_accept, row_seeds
 from sglang_vericache.verify import TOP_K_ALL, greedy_accept, process_logits
 from sglang_vericache.verify.sampling_probs import RowSampling
 

@@ -1,6 +1,6 @@
 """KIVI-packed tokens in a KV pool's own slots: one page of pool slots per key group.
 
-A draft row (``srt/draft_rows.py``) keeps a quantized body in the pool it is counted in. A
+A draft row (``srt/kv/draft_rows.py``) keeps a quantized body in the pool it is counted in. A
 slot of a layer's pool holds one token's keys in the key buffer and its values in the value
 buffer, ``H_kv * D`` elements each (``slot_bytes``). A key group of G packed tokens (codes,
 the group's key scale and zero per channel, a value scale and zero per token) is laid out as

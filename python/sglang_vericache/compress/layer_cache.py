@@ -39,7 +39,7 @@ class CompressedLayerCache:
                         0              n_res   n_float  capacity
 
     The store is a buffer of its own (``TensorViewStore``: a draft attends over it in place) or
-    slots of the device pool (``move_to``; ``srt/draft_rows.py``), where the allocator counts it;
+    slots of the device pool (``move_to``; ``srt/kv/draft_rows.py``), where the allocator counts it;
     the store keeps the block too (``ViewStore.hold_block``: a pool writes a KIVI block to pages
     of slots). A fold rewrites the columns and the block in place.
     """

@@ -7,7 +7,7 @@ then the recent window) are columns of a store, followed by free room::
               residual (body)     | recent window           | appends, a draft chain
 
 ``TensorViewStore`` holds them in one buffer per K and V, [H_kv, capacity, D], of its own: read
-in place (``dense``), no copies. A pool store (``srt/draft_rows.PoolViewStore``) holds column j of
+in place (``dense``), no copies. A pool store (``srt/kv/draft_rows.PoolViewStore``) holds column j of
 layer l in slot ``row[j]`` of layer l's pool buffers, so the compressed KV lives in memory the
 allocator counts; it is read by slot (``slots``), as paged attention reads a request's KV.
 A store keeps the layer's quantized body too (``hold_block``): a buffer store as tensors, a pool

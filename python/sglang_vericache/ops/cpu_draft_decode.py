@@ -1,6 +1,6 @@
 """Batched draft decode attention on CPU: one parallel region per layer for the whole batch.
 
-A draft forward gives each row one query over its own compressed view (``srt/draft_attention.py``).
+A draft forward gives each row one query over its own compressed view (``srt/attention/draft_attention.py``).
 Through torch's SDPA that is one call per row and layer, 240 at 8 rows x 30 layers, each its own
 OpenMP region over only H_kv x 1 work items; between two calls the threads go to sleep
 (``GOMP_SPINCOUNT=1000``, ``srt/platform.py``) and must be woken. ``csrc/draft_decode.cpp`` runs

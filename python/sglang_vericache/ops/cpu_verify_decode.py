@@ -1,7 +1,7 @@
 """Batched verify attention on CPU: every row's verify queries over its full KV in one call.
 
 A verify gives each row n = 1 + drafts queries at positions base .. base + n - 1, each over
-the row's full KV through its own position (``srt/attention.py``). Through torch's SDPA that is
+the row's full KV through its own position (``srt/attention/backend.py``). Through torch's SDPA that is
 one call per row and layer, each an OpenMP region over only H_kv work items (3 for SmolLM2: one
 of two threads idles a third of the time), a bool mask per call, and torch's general GEMM
 over 18 x 64 query blocks. ``csrc/verify_decode.cpp`` runs every (row, KV head, chunk of keys)

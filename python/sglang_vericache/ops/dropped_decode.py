@@ -9,7 +9,7 @@ it is checked against.
 Page layout (FlashInfer "NHD"): k_pages, v_pages: [num_pages, P, H_kv, D] in the KV dtype.
 SGLang's token pool is that layout with pages of one token (``[slots, H_kv, D]``, unsqueezed):
 drafting on a GPU decodes over its draft rows there (``paged_draft_decoder``,
-``srt/draft_attention.py``).
+``srt/attention/draft_attention.py``).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 draft forward, run once per layer.
 
 Where pressure moved a drafted request's full KV to host memory, its compressed KV is its draft
-row (``srt/draft_rows.py``): a KIVI body in pages of pool slots (``compress/kivi_pages.py``),
+row (``srt/kv/draft_rows.py``): a KIVI body in pages of pool slots (``compress/kivi_pages.py``),
 then full-precision columns in single slots, then this step's draft chain. FlashInfer's paged
 decode reads a batch of rows without a body (``ops/dropped_decode.py``); this reads a batch
 with bodies, codes and all, where they lie (``ops/triton/pool_kivi_decode.py``), instead of

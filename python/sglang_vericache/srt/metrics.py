@@ -75,7 +75,7 @@ class VeriCacheExporter:
         self._failures = counter("fetch_failures", "Failed full-KV transfers (recomputed).")
         self._requests = counter("requests", "Requests by decode mode.", ("mode",))
         self._steps = counter("decode_steps", "Decode steps by the draft-or-plain decision "
-                              "(srt/draft_length.py).", ("decision",))  # fmt: skip
+                              "(verify/draft_length.py).", ("decision",))  # fmt: skip
         self._moved = counter("pressure_offloaded_tokens",
                               "Full-KV tokens moved to host memory because the pool was short.")
         self._accept_len = Histogram(
@@ -153,7 +153,7 @@ class VeriCacheExporter:
 
     def set_placement(self, ledger: Any, tracked: int) -> None:
         """Gauges at the end of a scheduler step: ``ledger`` is the offload ledger
-        (``srt/offload.py``), ``tracked`` the requests whose state the worker holds."""
+        (``srt/kv/offload.py``), ``tracked`` the requests whose state the worker holds."""
         host_kv_tokens = sum(entry.host.length for entry in ledger.rows.values())
         self._host_tokens.labels(**self._labels).set(host_kv_tokens)
         self._reserved.labels(**self._labels).set(ledger.reserved_slots())
@@ -162,7 +162,7 @@ class VeriCacheExporter:
 
 
 class TierLinkExporter:
-    """The remote tier link (``srt/remote_prefix.py``): host bytes of writes and fetches in
+    """The remote tier link (``srt/prefix/remote_prefix.py``): host bytes of writes and fetches in
     flight beside their bounds (``--vericache-tier-inflight-mb``), whether the tier counts as
     up, the link's event counts (lookups, hits, overdue lookups, skipped writes...) and the
     DEMOTED prefixes kept for it (``tier/demoted.py``: entries, pool slots charged, bytes,

@@ -14,7 +14,7 @@ SGLang calls ``register()`` in every one of its processes (launcher, scheduler, 
   to ``cpu`` (SGLang would otherwise ask the platform for a ``torch.device`` and choke on it).
 - KV pool sizing on the CPU platform (``platform.register_pool_sizing_hook``): from total host
   RAM, so several servers can start on one host at once.
-- request validation (``sglang_vericache.srt.validation``): requests that would crash the
+- request validation (``sglang_vericache.srt.hooks.validation``): requests that would crash the
   scheduler get HTTP 400 in the tokenizer process instead, with or without ``--vericache``.
 """
 
@@ -71,11 +71,11 @@ def check_compatible(config: VeriCacheConfig, argv: list[str]) -> None:
 
 def _apply(server_args: Any, config: VeriCacheConfig) -> None:
     """Point SGLang at the VERICACHE worker and attention backend (record not yet resolved)."""
-    from sglang_vericache.srt.penalties import PLAIN_OVERLAP_ATTR
+    from sglang_vericache.srt.hooks.penalties import PLAIN_OVERLAP_ATTR
     from sglang_vericache.srt.registration import ALGORITHM, AUTO_DRAFT_LEN, BACKEND_NAME
 
     # the same server without --vericache would overlap its scheduling unless told not to;
-    # penalties follow that scheduler's rule (srt/penalties.py)
+    # penalties follow that scheduler's rule (srt/hooks/penalties.py)
     setattr(server_args, PLAIN_OVERLAP_ATTR, not server_args.disable_overlap_schedule)
     drafts = AUTO_DRAFT_LEN if config.draft_len is None else config.draft_len
     server_args.speculative_algorithm = ALGORITHM
@@ -154,18 +154,18 @@ def register() -> None:
     from sglang.srt.arg_groups.resolution_hooks import register_resolution_hook
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    from sglang_vericache.srt.admission import register_admission_hook
-    from sglang_vericache.srt.grammar_finish import register_grammar_finish_hooks
-    from sglang_vericache.srt.model_identity import register_weight_version_hooks
-    from sglang_vericache.srt.patches import register_patches
-    from sglang_vericache.srt.penalties import register_penalty_hook
+    from sglang_vericache.srt.kv.admission import register_admission_hook
+    from sglang_vericache.srt.hooks.grammar_finish import register_grammar_finish_hooks
+    from sglang_vericache.srt.prefix.model_identity import register_weight_version_hooks
+    from sglang_vericache.srt.hooks.patches import register_patches
+    from sglang_vericache.srt.hooks.penalties import register_penalty_hook
     from sglang_vericache.srt.platform import register_pool_sizing_hook
     from sglang_vericache.srt.registration import (
         register_algorithm,
         register_backend,
         register_radix_cache,
     )
-    from sglang_vericache.srt.validation import register_validation_hooks
+    from sglang_vericache.srt.hooks.validation import register_validation_hooks
 
     HookRegistry.register(
         "sglang.srt.server_args.ServerArgs.add_cli_args", _add_cli_args, HookType.AFTER

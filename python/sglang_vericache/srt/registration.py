@@ -14,7 +14,7 @@ from sglang.srt.speculative.spec_registry import CustomSpecAlgo
 
 ALGORITHM = "VERICACHE"
 BACKEND_NAME = "vericache"
-AUTO_DRAFT_LEN = 16  # most drafts per verify with --vericache-draft-len auto (srt/draft_length.py)
+AUTO_DRAFT_LEN = 16  # most drafts per verify with --vericache-draft-len auto (verify/draft_length.py)
 
 
 class VeriCacheAlgo(CustomSpecAlgo):
@@ -36,7 +36,7 @@ class VeriCacheAlgo(CustomSpecAlgo):
 
 
 def _worker_class(server_args: Any) -> type:
-    from sglang_vericache.srt.worker import VeriCacheWorker
+    from sglang_vericache.srt.decode.worker import VeriCacheWorker
 
     return VeriCacheWorker
 
@@ -53,7 +53,7 @@ def register_algorithm() -> None:
 
 
 def _attention_backend(model_runner: Any) -> Any:
-    from sglang_vericache.srt.attention import VeriCacheAttnBackend
+    from sglang_vericache.srt.attention.backend import VeriCacheAttnBackend
 
     return VeriCacheAttnBackend(model_runner)
 
@@ -73,7 +73,7 @@ def register_backend() -> None:
 
 
 def _radix_cache(ctx: Any) -> Any:
-    from sglang_vericache.srt.radix_cache import build_vericache_radix_cache
+    from sglang_vericache.srt.prefix.radix_cache import build_vericache_radix_cache
 
     return build_vericache_radix_cache(ctx)
 

@@ -31,7 +31,7 @@ DEMOTED_MAX_BYTES = 512 << 20  # compressed KV kept at most, whatever the pool's
 
 
 class PoolAccount(Protocol):
-    """Where DEMOTED entries are charged (``srt/radix_cache.py``: the SGLang allocator)."""
+    """Where DEMOTED entries are charged (``srt/prefix/radix_cache.py``: the SGLang allocator)."""
 
     def slots_for(self, nbytes: int) -> int:
         """Pool slots worth ``nbytes`` (a whole number of pages)."""

@@ -14,7 +14,7 @@ because the same weights sit in another directory. So the identity is built from
   model overrides, ... as a canonical JSON map) and ``tp_rank``.
 
 A running server's weights can change (SGLang's weight updates): its identity is then that of
-what it loaded (``srt/model_identity.py``), never a count of updates, which two servers on
+what it loaded (``srt/prefix/model_identity.py``), never a count of updates, which two servers on
 different weights could share. Weights that cannot be digested get a ``private`` identity: a
 fresh nonce that no other server, and no later state of this one, can have.
 

@@ -1,4 +1,4 @@
-"""The tier link's bounds and event counts (``srt/remote_prefix.py``), as plain data: the flags
+"""The tier link's bounds and event counts (``srt/prefix/remote_prefix.py``), as plain data: the flags
 ``--vericache-tier-lookup-deadline`` / ``--vericache-tier-inflight-mb`` set the bounds, and
 ``/metrics`` publishes both (``vericache:tier_*``)."""
 

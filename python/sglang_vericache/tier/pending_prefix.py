@@ -1,5 +1,5 @@
 """One request waiting for its prefix from the tier: its phase and chunks (plain data; the
-state machine that moves it is ``srt/remote_prefix.RemotePrefixLink``), and the check that
+state machine that moves it is ``srt/prefix/remote_prefix.RemotePrefixLink``), and the check that
 the waiting requests and their shared chunk claims agree."""
 
 from __future__ import annotations

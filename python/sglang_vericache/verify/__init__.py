@@ -2,11 +2,12 @@
 SGLang draws from, grammar masks along a draft chain, the per-step draft-length planner and
 per-request stats.
 
-Pure python + torch; no sglang import. ``sglang_vericache.srt.worker`` drives these each decode
-step: draft along the chain (``srt/row_acceptance.draft_column``: grammar masks, argmax,
-sampled draws), verify, accept (``greedy_accept`` / ``speculative_accept``), record
+Pure python + torch; no sglang import (SGLang's objects, where passed in, are duck-typed).
+``sglang_vericache.srt.decode.worker`` drives these each decode step: draft along the chain
+(``row_acceptance.draft_column``: grammar masks, argmax, sampled draws), verify, accept
+(``row_acceptance.accept_step`` over ``greedy_accept`` / ``speculative_accept``), record
 (``VeriCacheStats``), and plan the next step's draft length from measured forward costs
-(``step_plan``, ``step_cost``).
+(``draft_length`` over ``step_plan``, ``step_cost``).
 """
 
 from __future__ import annotations

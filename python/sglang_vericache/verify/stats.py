@@ -27,7 +27,7 @@ ACCEPT_LEN_BUCKETS: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 
 
 
 class DecodeMode(str, Enum):
-    """How a request is decoded (``srt/eligibility.py`` decides; the value is what users see).
+    """How a request is decoded (``srt/decode/eligibility.py`` decides; the value is what users see).
 
     GREEDY and SAMPLED rows are drafted from the compressed KV and verified against the full KV;
     they differ only in how a verify accepts: the verifier's argmax (token-identical to plain

@@ -1,11 +1,11 @@
-"""The lookup -> fetch -> take state machine of srt/remote_prefix.py, on real tiers."""
+"""The lookup -> fetch -> take state machine of srt/prefix/remote_prefix.py, on real tiers."""
 
 from __future__ import annotations
 
 import time
 
 import torch
-from sglang_vericache.srt.remote_prefix import RemotePrefixLink
+from sglang_vericache.srt.prefix.remote_prefix import RemotePrefixLink
 from sglang_vericache.tier.client import ZmqTier
 from sglang_vericache.tier.host import HostTier
 from sglang_vericache.tier.link_bounds import LinkBounds
@@ -248,7 +248,7 @@ def test_a_prefix_is_fetched_only_where_fetching_beats_recomputing() -> None:
     """Measured link bandwidth vs this server's prefill speed: a slow link beside a fast
     prefill recomputes (every 16th such decision fetches anyway, to re-measure the link);
     without a prefill measurement, or with a slow prefill, the prefix is fetched."""
-    from sglang_vericache.srt.remote_prefix import EXPLORE_EVERY
+    from sglang_vericache.srt.prefix.remote_prefix import EXPLORE_EVERY
 
     link = RemotePrefixLink(HostTier(TINY, capacity_bytes=1 << 20))
     tokens = list(range(1200, 1200 + 2 * C))

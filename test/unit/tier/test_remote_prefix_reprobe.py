@@ -1,4 +1,4 @@
-"""A waiting request's tier state when it is probed anew (srt/remote_prefix.py) and a chunk
+"""A waiting request's tier state when it is probed anew (srt/prefix/remote_prefix.py) and a chunk
 whose fetch failed (tier/shared_fetch.py), on a real HostTier.
 
 SGLang re-probes a queued request every admission round; its device prefix can shrink
@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 
 import torch
-from sglang_vericache.srt.remote_prefix import RemotePrefixLink
+from sglang_vericache.srt.prefix.remote_prefix import RemotePrefixLink
 from sglang_vericache.tier import chunk_keys
 from sglang_vericache.tier.host import HostTier
 from sglang_vericache.tier.keys import ChunkKey

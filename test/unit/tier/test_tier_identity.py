@@ -1,6 +1,6 @@
 """Model identity in every key (tier/identity.py), the server glue that feeds it and follows
-weight updates (srt/model_identity.py, read with stand-in server arguments: no SGLang server
-here), and which requests' KV may cross to the tier (srt/tier_eligibility.py). The same with
+weight updates (srt/prefix/model_identity.py, read with stand-in server arguments: no SGLang server
+here), and which requests' KV may cross to the tier (srt/prefix/tier_eligibility.py). The same with
 real SGLang servers: test/e2e/test_tier_identity_e2e.py."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from sglang_vericache.srt import model_identity as glue
+from sglang_vericache.srt.prefix import model_identity as glue
 from sglang_vericache.tier.geometry import KVGeometry
 from sglang_vericache.tier.identity import DigestCache, ModelIdentity, file_digest
 from sglang_vericache.tier.keys import chunk_keys
@@ -138,7 +138,7 @@ def test_identity_of_a_big_model_comes_from_the_cache_the_second_time(
     assert reads == []  # no weight file was opened
 
 
-# -- the server glue (srt/model_identity.py) -----------------------------------------------
+# -- the server glue (srt/prefix/model_identity.py) -----------------------------------------------
 
 def _server_args(model: Path, **overrides: object) -> SimpleNamespace:
     args = {"model_path": str(model), "dtype": "auto", "quantization": None,
@@ -266,7 +266,7 @@ def test_kv_spanning_a_weight_change_is_not_eligible() -> None:
     """A request stamped before a weight change is not written through after it; one matched
     while the prefix cache still holds KV of the old weights (SGLang could not flush it) is
     neither looked up nor written through; after a reset both work again."""
-    from sglang_vericache.srt.tier_eligibility import TierEligibility
+    from sglang_vericache.srt.prefix.tier_eligibility import TierEligibility
 
     weights = {"generation": 0}
     rule = TierEligibility(lambda: weights["generation"])
@@ -289,7 +289,7 @@ def test_only_requests_whose_tokens_are_their_content_use_the_tier() -> None:
     inputs, LoRA / salted requests are neither looked up nor written through."""
     from sglang.srt.managers.schedule_batch import Req
     from sglang.srt.sampling.sampling_params import SamplingParams
-    from sglang_vericache.srt.tier_eligibility import TierEligibility, tier_content
+    from sglang_vericache.srt.prefix.tier_eligibility import TierEligibility, tier_content
 
     def req(**kwargs: object) -> Req:
         return Req("r", "", [1] * 4, SamplingParams(max_new_tokens=4), **kwargs)

@@ -1,8 +1,8 @@
-"""srt/draft_length.py: one draft count per step, fixed or from measured costs (0 = plain)."""
+"""verify/draft_length.py: one draft count per step, fixed or from measured costs (0 = plain)."""
 
 from __future__ import annotations
 
-from sglang_vericache.srt.draft_length import FIXED, DraftLengthController, StepRow
+from sglang_vericache.verify.draft_length import FIXED, DraftLengthController, StepRow
 from sglang_vericache.verify.step_cost import ForwardKind, ForwardShape
 
 

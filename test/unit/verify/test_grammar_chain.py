@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 import pytest
-from sglang_vericache.srt.row_acceptance import draft_column
+from sglang_vericache.verify.row_acceptance import draft_column
 from sglang_vericache.verify.accept import greedy_accept
 from sglang_vericache.verify.grammar_chain import GrammarChain
 

@@ -1,6 +1,6 @@
 """Triton draft attention over draft rows in the KV pool: KIVI pages, then full-precision slots.
 
-A drafted row's compressed KV lives in SGLang's KV pool (``srt/draft_rows.py``): a KIVI body as
+A drafted row's compressed KV lives in SGLang's KV pool (``srt/kv/draft_rows.py``): a KIVI body as
 pages of pool slots (``compress/kivi_pages.py``: one page of PER_GROUP slots per key group of
 GROUP tokens, its bytes laid out across the slots), then its full-precision columns and this
 step's draft chain as single slots. One program per (row, KV head, split) reads that head's

@@ -1,5 +1,5 @@
 """Moves committed full KV between SGLang's pool and the host ledger (layout: ``offload.py``),
-and holds an offloaded drafted row's compressed KV in pool slots (``srt/draft_rows.py``).
+and holds an offloaded drafted row's compressed KV in pool slots (``srt/kv/draft_rows.py``).
 
 The worker calls ``offload`` after a request's prefill and after each commit; the ``vericache``
 prefix cache calls ``restore`` / ``drop`` when SGLang releases the request's row. All slot
@@ -22,9 +22,9 @@ import torch
 from torch import Tensor
 
 from sglang_vericache.compress.layer_cache import GROW_MIN
-from sglang_vericache.srt.draft_rows import DraftRow
-from sglang_vericache.srt.eligibility import tokens_left
-from sglang_vericache.srt.offload import (
+from sglang_vericache.srt.kv.draft_rows import DraftRow
+from sglang_vericache.srt.decode.eligibility import tokens_left
+from sglang_vericache.srt.kv.offload import (
     HOST_ROOM,
     PLACEHOLDER_SLOT,
     PRESIZE_MAX,
@@ -199,7 +199,7 @@ class PoolOffloader:
 
     def _hold(self, row: int, state: Any = None, compressed_bytes: int = 0) -> int:
         """Hold pool slots for ``row``'s compressed KV, at least ``ceil(bytes / slot_bytes)``
-        (whole pages), in its draft row (``srt/draft_rows.py``), and lodge ``state`` there.
+        (whole pages), in its draft row (``srt/kv/draft_rows.py``), and lodge ``state`` there.
 
         state: the row's ``RequestDraftState`` (its ``nbytes`` count, not ``compressed_bytes``):
         its full-precision columns and a KIVI body's pages move into the slots, so its

@@ -11,7 +11,7 @@ From its prefill until it leaves, a request is in exactly one of two tables:
 
 A demoted request also has a ``demotions`` record (``Demotion``: when, how often, what its
 compressed KV weighed), kept while it lives: once room returns it is ``reinstate``d (its
-compressed KV rebuilt, back in ``states``: ``srt/reinstate.py``), and a later demotion counts on.
+compressed KV rebuilt, back in ``states``: ``srt/kv/reinstate.py``), and a later demotion counts on.
 
 Between its prefill and the worker's next forward a request may also have ``after_prefill``
 work: building its compressed KV and moving its full KV to the host, left until its first
@@ -28,9 +28,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
-from sglang_vericache.srt.draft_length import DraftLengthController
-from sglang_vericache.srt.draft_state import RequestDraftState
-from sglang_vericache.srt.eligibility import plain_reason, whole_step_reason
+from sglang_vericache.verify.draft_length import DraftLengthController
+from sglang_vericache.srt.kv.draft_state import RequestDraftState
+from sglang_vericache.srt.decode.eligibility import plain_reason, whole_step_reason
 from sglang_vericache.verify import VeriCacheStats
 
 OFFLOAD_ONLY = "--vericache-draft-len 0: full KV offloaded, read back for every token, no drafts"

@@ -34,7 +34,7 @@ With it the second records the ask of each request queued behind (``waiting_asks
 worker weighs plain decoding against drafting with every request that dropping the batch's
 compressed KV would let in, not just the first (``srt/step_costs.joining_contexts``).
 
-The fourth tells drafting ahead (``srt/draft_ahead.py``) that the serving path idles: SGLang
+The fourth tells drafting ahead (``srt/prefix/draft_ahead.py``) that the serving path idles: SGLang
 calls ``on_idle`` whenever it has no batch to run, e.g. while every request waits for its
 prefix; the worker marks it busy again at its next forward.
 """
@@ -46,8 +46,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from sglang_vericache.srt.eligibility import tokens_left
-from sglang_vericache.srt.offload import TAIL_CHUNK
+from sglang_vericache.srt.decode.eligibility import tokens_left
+from sglang_vericache.srt.kv.offload import TAIL_CHUNK
 
 TARGET = (
     "sglang.srt.managers.schedule_policy.PrefillAdder._get_running_request_total_token_offset"

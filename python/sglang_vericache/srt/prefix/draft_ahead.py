@@ -38,8 +38,8 @@ from typing import Any, Sequence
 
 import torch
 
-from sglang_vericache.srt.draft_length import ewma
-from sglang_vericache.srt.llama_drafter import LlamaDrafter
+from sglang_vericache.verify.draft_length import ewma
+from sglang_vericache.srt.prefix.llama_drafter import LlamaDrafter
 from sglang_vericache.tier.demoted import DemotedPrefix, DemotedPrefixes
 
 logger = logging.getLogger(__name__)
@@ -257,7 +257,7 @@ AHEAD_ATTR = "_vericache_draft_ahead"  # where the prefix cache publishes it on 
 
 
 def draft_ahead_of(req_to_token_pool: Any) -> DraftAhead | None:
-    """The ``DraftAhead`` the prefix cache of this scheduler made (``srt/radix_cache.py``), for
+    """The ``DraftAhead`` the prefix cache of this scheduler made (``srt/prefix/radix_cache.py``), for
     the worker; None without one (no remote tier, fetch drafting off, no vericache tree)."""
     return getattr(req_to_token_pool, AHEAD_ATTR, None)
 

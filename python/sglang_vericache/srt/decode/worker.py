@@ -7,14 +7,14 @@ gets every extend (prefill) and decode batch. Per decode step and request::
     draft:   x DECODE forwards, attention over the compressed view + the draft chain -> d1..dx
     verify:  one TARGET_VERIFY forward of [t0, d1..dx] at positions p..p+x over the full KV
     commit:  greedy rows: longest prefix of d matching the verifier's argmax + its correction/
-             bonus token; sampled rows: speculative sampling (``srt/row_acceptance.py``);
+             bonus token; sampled rows: speculative sampling (``verify/row_acceptance.py``);
              positions p..p+n hold exact KV (written by the verify), appended to the compressed
              cache; drafts past the first rejection are rolled back (their slots are rewritten
              by the next step)
     offload: while admission or the next step is short of pool slots, resident full KV moves
              to host memory (largest first; then its tail: ``PoolOffloader.tail_tokens``) and
              its pool slots go back to the allocator; its compressed KV stays in the pool,
-             in its draft row (``placement.py``, ``srt/offload.py``, ``srt/draft_rows.py``)
+             in its draft row (``placement.py``, ``srt/kv/offload.py``, ``srt/kv/draft_rows.py``)
 
 A prefill step returns its first tokens before the rest of its work: each drafted request's
 compressed KV and the move of its full KV to the host run first thing in the worker's next
@@ -23,17 +23,17 @@ request waits for room (``OffloadLedger.settle_prefills``), so they are not part
 first token, and a request that finishes at its first token never pays for them.
 
 Whether a step drafts at all, and how far, is decided per step from measured forward costs
-(``srt/draft_length.py``): where drafting would commit fewer tokens per second than plain
+(``verify/draft_length.py``): where drafting would commit fewer tokens per second than plain
 decoding, the step is a plain one.
 
 The decode step itself (prepare, draft, verify, commit, each timed into the step profile of
-``verify/step_profile.py``) is ``srt/decode_steps.py``; this class holds the request records,
+``verify/step_profile.py``) is ``srt/decode/decode_steps.py``; this class holds the request records,
 the scheduler's entry point, prefill and the result SGLang reads.
 
 Only tokens the full-KV verify decided are ever committed, so greedy output equals plain
 decoding and sampled output is distributed as plain sampling; grammar rows are masked along the
-chain (``verify/grammar_chain.py``). Rows not drafted (penalties, ...: ``srt/eligibility.py``)
-take one token from SGLang's sampler at the verify's first column (``srt/row_sampling.py``).
+chain (``verify/grammar_chain.py``). Rows not drafted (penalties, ...: ``srt/decode/eligibility.py``)
+take one token from SGLang's sampler at the verify's first column (``srt/decode/row_sampling.py``).
 Logprobs of every committed token come from the verify logits.
 """
 
@@ -52,27 +52,27 @@ from sglang_vericache.config import Placement
 from sglang_vericache.ops.cpu_draft_decode import load_cpu_draft_decode
 from sglang_vericache.ops.dropped_decode import PagedDecodeGeometry, paged_draft_decoder
 from sglang_vericache.ops.pool_kivi_decode import pool_kivi_decoder
-from sglang_vericache.srt.attention import QueryCapture, VeriCacheAttnBackend
-from sglang_vericache.srt.batch_inputs import (
+from sglang_vericache.srt.attention.backend import QueryCapture, VeriCacheAttnBackend
+from sglang_vericache.srt.decode.batch_inputs import (
     spec_result,
 )
-from sglang_vericache.srt.decode_steps import DecodeSteps
-from sglang_vericache.srt.draft_ahead import DraftAhead, draft_ahead_of
-from sglang_vericache.srt.draft_length import DraftLengthController
-from sglang_vericache.srt.draft_precision import DraftPrecision, choose_draft_format
-from sglang_vericache.srt.draft_state import RequestDraftState
-from sglang_vericache.srt.eligibility import (
+from sglang_vericache.srt.decode.decode_steps import DecodeSteps
+from sglang_vericache.srt.prefix.draft_ahead import DraftAhead, draft_ahead_of
+from sglang_vericache.verify.draft_length import DraftLengthController
+from sglang_vericache.srt.attention.draft_precision import DraftPrecision, choose_draft_format
+from sglang_vericache.srt.kv.draft_state import RequestDraftState
+from sglang_vericache.srt.decode.eligibility import (
     decode_mode,
     plain_reason,
     prefill_only,
 )
-from sglang_vericache.srt.full_kv_stage import FullKVStager
+from sglang_vericache.srt.kv.full_kv_stage import FullKVStager
 from sglang_vericache.srt.metrics import VeriCacheExporter, request_meta_info
-from sglang_vericache.srt.offloader import PoolOffloader
-from sglang_vericache.srt.patches import publish_meta_info
+from sglang_vericache.srt.kv.offloader import PoolOffloader
+from sglang_vericache.srt.hooks.patches import publish_meta_info
 from sglang_vericache.srt.plugin import vericache_config
-from sglang_vericache.srt.remote_prefix import link_for
-from sglang_vericache.srt.request_book import RequestBook
+from sglang_vericache.srt.prefix.remote_prefix import link_for
+from sglang_vericache.srt.decode.request_book import RequestBook
 from sglang_vericache.verify.stats import DecodeMode
 from sglang_vericache.verify.step_profile import Phase, StepClock
 
@@ -147,7 +147,7 @@ class VeriCacheWorker(DecodeSteps, BaseSpecWorker):
                                    config.head_dim, 1, self.model_runner.kv_cache_dtype)
 
     def _draft_precision(self) -> DraftPrecision | None:
-        """Shadow weights for draft forwards (``srt/draft_precision.py``), where
+        """Shadow weights for draft forwards (``srt/attention/draft_precision.py``), where
         ``--vericache-draft-dtype`` asks for them and drafting happens at all."""
         if self.offload_only:
             return None

@@ -2,7 +2,7 @@
 
 A compressed cache keeps its full-precision columns (a dropper's kept tokens, a quantizer's
 residual, then the recent window) in a ``ViewStore``: once its request's full KV has left the
-pool, the request's draft row, pool slots the allocator counts (``srt/draft_rows.py``). A draft
+pool, the request's draft row, pool slots the allocator counts (``srt/kv/draft_rows.py``). A draft
 forward reads such a row by slot, its chain (this step's drafts, whose KV the forward wrote to
 their own pool slots) by the chain's slots, so neither is copied::
 

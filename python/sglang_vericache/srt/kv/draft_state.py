@@ -139,7 +139,7 @@ class RequestDraftState:
     def views(self) -> list[tuple[Tensor, Tensor]]:
         """Per layer (keys, values) [H_kv, T_view, D], built on each call (the drafter that runs
         while a prefix is fetched prefills over them; decode steps read ``view_parts`` of one
-        layer at a time instead: ``srt/draft_attention.py``)."""
+        layer at a time instead: ``srt/attention/draft_attention.py``)."""
         return [cache.view()[:2] for cache in self.layers]
 
     def catch_up(self, read: LayerReader, length: int,
@@ -192,7 +192,7 @@ class RequestDraftState:
 
     @property
     def nbytes_in_pool(self) -> int:
-        """Of ``nbytes``, those lodged in pool slots (a draft row, ``srt/draft_rows.py``); the
+        """Of ``nbytes``, those lodged in pool slots (a draft row, ``srt/kv/draft_rows.py``); the
         rest (kept-position indices, columns or bodies not lodged) is beside the pool."""
         return sum(cache.nbytes_in_pool for cache in self.layers)
 

@@ -22,7 +22,7 @@ loads that bypass those (P2P/RDMA), between ``begin_weight_update`` and ``end_we
   in an RL weight sync), and the tensors of a partial update do not name the weights they join.
 
 Every change, to the same identity too, also moves ``ServedWeights.generation`` on: KV
-computed under one generation is never filed under another (``srt/tier_eligibility.py``). The
+computed under one generation is never filed under another (``srt/prefix/tier_eligibility.py``). The
 hooks wrap the calls (AROUND) so that an update that raises moves it as well. They are
 registered with SGLang's HookRegistry (applied by SGLang after plugins load), like every other
 hook of this package, and find a scheduler's ``ServedWeights`` on its ``req_to_token_pool``.

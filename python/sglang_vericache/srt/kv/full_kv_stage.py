@@ -1,7 +1,7 @@
 """A verify's full KV on the device before it runs: host ranges copied while the batch drafts.
 
 On a device pool (a GPU) a row's offloaded positions live in pinned host memory
-(``srt/offload.py``). Read by the verify's attention, each layer of each row would be a
+(``srt/kv/offload.py``). Read by the verify's attention, each layer of each row would be a
 transfer inside the forward, on its critical path. Instead, right before the draft forwards,
 the worker submits one copy task for the host ranges of the rows the verify reads
 (``ops/prefetch.py``: a side stream, a few contiguous copies per row). The draft forwards run
@@ -31,7 +31,7 @@ from collections.abc import Iterable
 import torch
 
 from sglang_vericache.ops.prefetch import FullKVPrefetcher, device_copy_pairs
-from sglang_vericache.srt.offload import OffloadLedger
+from sglang_vericache.srt.kv.offload import OffloadLedger
 
 # Share of the device memory free after SGLang sized its pool that one step may stage (the rest
 # stays for activations, CUDA graphs and the allocator's slack).

@@ -1,6 +1,6 @@
 """One verify step's acceptance for a mixed batch: greedy and sampled rows, merged.
 
-A step drafts GREEDY and SAMPLED rows (``srt/eligibility.py``) in the same draft forwards and
+A step drafts GREEDY and SAMPLED rows (``srt/decode/eligibility.py``) in the same draft forwards and
 verifies every row in one TARGET_VERIFY forward of width W::
 
     draft column j (j = 0 .. W-2), logits [bs, V] from the compressed KV (``draft_column``):
@@ -17,7 +17,7 @@ verifies every row in one TARGET_VERIFY forward of width W::
                                                       (``GrammarChain.close``, in the worker)
 
 Plain rows carry no drafts (draft length 0): ``greedy_accept`` gives them one column, whose token
-the worker replaces with SGLang's own sample (``srt/row_sampling.py``).
+the worker replaces with SGLang's own sample (``srt/decode/row_sampling.py``).
 
 Both distributions come from raw logits. That is exactly what SGLang samples a sampled row from:
 ``ModelRunner._preprocess_logits`` changes only rows with penalties, logit bias, grammar masks or

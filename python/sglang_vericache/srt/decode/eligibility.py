@@ -6,13 +6,13 @@ The one place that decides a row's mode::
              equal the full-KV argmax (``verify.greedy_accept``), token-identical to plain greedy
     SAMPLED  temperature / top-p / top-k / min-p, nothing below applies: drafts are sampled from
              the compressed-KV distribution q and accepted by speculative sampling
-             (``verify.speculative_accept``, ``srt/row_acceptance.py``), identical in
+             (``verify.speculative_accept``, ``verify/row_acceptance.py``), identical in
              distribution to plain sampling
     PLAIN    penalties, logit bias, ``min_new_tokens``, a custom logit processor, a grammar
              whose backend cannot roll back (outlines, also inside a reasoning parser's
              wrapper), ``max_new_tokens: 0`` (never decodes):
              no drafts; the row takes one exact token from SGLang's sampler in the same verify
-             (``srt/row_sampling.py``)
+             (``srt/decode/row_sampling.py``)
 
 Grammar rows of either mode draft too: their matcher advances along the draft chain and rolls
 back, and every draft and verify column is masked by its state there (``verify/grammar_chain.py``).
@@ -90,7 +90,7 @@ def whole_step_reason(req: Any, watermarked: bool = False) -> str | None:
     Hidden states and sampling masks are returned per forward position; SGLang's spec result
     path reads them in the verify layout only for its own workers, so a batch holding such a
     request decodes one token per row with SGLang's forward (same tokens, no drafting; its
-    outputs in the spec layout: ``srt/batch_inputs.py`` ``one_token_rows``).
+    outputs in the spec layout: ``srt/decode/batch_inputs.py`` ``one_token_rows``).
 
     watermarked: SGLang's watermark forces this row's sampling (``--enable-watermark``: the
     batch's ``SamplingBatchInfo.watermark_candidates_host``). The watermark's per-request

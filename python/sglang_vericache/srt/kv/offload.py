@@ -9,7 +9,7 @@ placeholder there. What stays in the device pool per request::
     pool slots     tree-owned    | placeholder (0)    | committed tail | this step's
                    shared prefix | full KV -> host    | (< TAIL_CHUNK) | draft/verify slots
     plus           its draft row: slots holding its compressed KV's full-precision columns
-                   (``srt/draft_rows.py``), at least ceil(compressed bytes / slot bytes), so
+                   (``srt/kv/draft_rows.py``), at least ceil(compressed bytes / slot bytes), so
                    admission sees what VeriCache holds
 
 Attention reads [lo, hi) from the host buffer (``OffloadLedger.read``): for verification and for
@@ -121,7 +121,7 @@ class OffloadedRow:
 
     staged: this step's copy of the host tokens [0, n) on the pool's device, [L, 2, H_kv, n, D]
     (a device pool: copied while the batch drafts, dropped after the verify;
-    ``srt/full_kv_stage.py``), or None.
+    ``srt/kv/full_kv_stage.py``), or None.
     """
 
     lo: int
@@ -157,7 +157,7 @@ class PrefixTreeHooks(Protocol):
 
 class OffloadLedger:
     """Which pool rows have offloaded ranges (``rows``), and which hold pool slots for their
-    compressed KV (``draft_rows``, ``srt/draft_rows.py``): two tables, as a draft row may go
+    compressed KV (``draft_rows``, ``srt/kv/draft_rows.py``): two tables, as a draft row may go
     (released for admission) while its row's host range stays, and a resident row (its full
     KV in the pool, pressure placement) may hold one without a host range.
 
@@ -168,7 +168,7 @@ class OffloadLedger:
 
     def __init__(self) -> None:
         self.rows: dict[int, OffloadedRow] = {}
-        self.draft_rows: dict[int, Any] = {}  # pool row -> its DraftRow (srt/draft_rows.py)
+        self.draft_rows: dict[int, Any] = {}  # pool row -> its DraftRow (srt/kv/draft_rows.py)
         self.freed_slots = 0  # pool slots ever given back by offloads (admission watches it)
         self.evicted_resident_slots = 0  # resident draft rows' slots allocations took back
         # Slots the last admission attempt lacked for a waiting request (0: none lacked); set by
@@ -182,7 +182,7 @@ class OffloadLedger:
         self.release_listeners: list[Callable[[str], None]] = []
         # The work finished prefills left for after their first tokens (compress, offload),
         # which gives pool slots back; set by the worker when it queues such work. Admission
-        # runs it before it counts free slots (``srt/admission.py``), so a waiting request
+        # runs it before it counts free slots (``srt/kv/admission.py``), so a waiting request
         # sees that room at once, not one decode step later.
         self.settle_prefills: Callable[[], None] | None = None
         # The prefix tree the pool's rows share (the ``vericache`` prefix cache sets itself):

@@ -1,7 +1,7 @@
 """Exact tokens and logprobs from a verify forward, for every row of a mixed step.
 
 A VeriCache step over a batch drafts the rows it can (greedy or sampled without logit
-processing: ``srt/eligibility.py``) and verifies every row in one TARGET_VERIFY forward of width
+processing: ``srt/decode/eligibility.py``) and verifies every row in one TARGET_VERIFY forward of width
 W. Rows it cannot draft (penalties, grammars, ``min_new_tokens``, ...) carry no drafts; the
 verify's first column gives them the full-KV logits at their next position, which is exactly the
 distribution a plain decode step would sample from. They take one token from SGLang's own sampler
@@ -11,7 +11,7 @@ there, so penalties, logit bias, grammar masks and ``sampling_seed`` behave as w
     verify logits  [bs * W, V]        row i, column j: the full-KV distribution after
                                       position base_i + j
     greedy row i   commits argmax at columns 0 .. accepted_i   (``verify.greedy_accept``)
-    sampled row i  accepted drafts, then a residual/bonus sample (``srt/row_acceptance.py``)
+    sampled row i  accepted drafts, then a residual/bonus sample (``verify/row_acceptance.py``)
     plain row i    commits SGLang's sample at column 0         (``sample_first_column``)
 
 Logprobs go back in the layout SGLang's spec result path reads (``_apply_decode_logprobs``):
@@ -37,7 +37,7 @@ import torch
 from sglang.srt.layers.logits_processor import LogitsProcessorOutput
 from sglang.srt.layers.logprob_processor import compute_spec_logprobs
 
-from sglang_vericache.srt.row_acceptance import SampledDrafts, accept_step
+from sglang_vericache.verify.row_acceptance import SampledDrafts, accept_step
 from sglang_vericache.verify.accept import AcceptResult
 
 

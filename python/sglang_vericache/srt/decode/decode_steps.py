@@ -1,13 +1,13 @@
 """The decode step of the VERICACHE worker: prepare, draft, verify, commit (a mixin).
 
-``VeriCacheWorker`` (``srt/worker.py``, whose module doc draws the step) inherits these
+``VeriCacheWorker`` (``srt/decode/worker.py``, whose module doc draws the step) inherits these
 methods, the way SGLang splits its scheduler into mixins; they read the worker's attributes:
 ``book``/``states`` (per-request records), ``offloader``, ``attn``, ``target_worker``,
 ``draft_length`` (planner and cost fit), ``clock`` (the step profile), ``metrics``, ``ahead``,
 ``generator``, ``compressor``, ``precision`` (draft weights), ``draft_kernel`` / ``paged_draft``
 / ``pool_kivi_draft`` (batched draft attention: the CPU kernel, a GPU's paged decodes),
 ``stager`` (a step's offloaded full KV to the device: while the batch drafts, before a plain
-forward; ``srt/full_kv_stage.py``),
+forward; ``srt/kv/full_kv_stage.py``),
 ``num_layers``, ``offload_only``, ``device`` and ``speculative_num_draft_tokens``.
 Everything runs on the scheduler thread.
 
@@ -26,23 +26,23 @@ import time
 
 import torch
 
-from sglang_vericache.srt.attention import QueryCapture
-from sglang_vericache.srt.batch_inputs import (
+from sglang_vericache.srt.attention.backend import QueryCapture
+from sglang_vericache.srt.decode.batch_inputs import (
     last_tokens,
     one_token_rows,
     set_decode_inputs,
     set_verify_inputs,
 )
-from sglang_vericache.srt.draft_ahead import batch_proposals
-from sglang_vericache.srt.draft_attention import DraftPlan
-from sglang_vericache.srt.draft_precision import drafting
-from sglang_vericache.srt.draft_state import RequestDraftState
-from sglang_vericache.srt.eligibility import StepRows, decode_mode
-from sglang_vericache.srt.grammar_rollback import roll_back_or_abort
-from sglang_vericache.srt.reinstate import still_demoted
-from sglang_vericache.srt.row_acceptance import SampledDrafts, draft_column
-from sglang_vericache.srt.row_sampling import commit_verify
-from sglang_vericache.srt.step_costs import (
+from sglang_vericache.srt.prefix.draft_ahead import batch_proposals
+from sglang_vericache.srt.attention.draft_attention import DraftPlan
+from sglang_vericache.srt.attention.draft_precision import drafting
+from sglang_vericache.srt.kv.draft_state import RequestDraftState
+from sglang_vericache.srt.decode.eligibility import StepRows, decode_mode
+from sglang_vericache.srt.hooks.grammar_rollback import roll_back_or_abort
+from sglang_vericache.srt.kv.reinstate import still_demoted
+from sglang_vericache.verify.row_acceptance import SampledDrafts, draft_column
+from sglang_vericache.srt.decode.row_sampling import commit_verify
+from sglang_vericache.srt.decode.step_costs import (
     joining_contexts,
     plain_shape,
     relieve_pressure,
@@ -63,7 +63,7 @@ class DecodeSteps:
     """The decode half of ``VeriCacheWorker`` (see module doc)."""
 
     def _decode_step(self, batch):
-        # The rows this step drafts; the others take one exact token (srt/row_sampling.py).
+        # The rows this step drafts; the others take one exact token (srt/decode/row_sampling.py).
         step = StepRows.of(batch.reqs, drafting=not self.offload_only,
                            watermarked=batch.sampling_info.watermark_candidates_host).without(
             self._still_demoted(batch))  # fmt: skip
@@ -102,7 +102,7 @@ class DecodeSteps:
 
     def _still_demoted(self, batch) -> set[int]:
         """The batch's demoted rows that stay plain this step; those whose room returned draft
-        again, their compressed KV rebuilt (``srt/reinstate.py``)."""
+        again, their compressed KV rebuilt (``srt/kv/reinstate.py``)."""
         return still_demoted(batch, self.book, self.offloader, self.compressor, self.num_layers,
                              self.speculative_num_draft_tokens)  # fmt: skip
 
@@ -155,7 +155,7 @@ class DecodeSteps:
 
         Rows not in ``drafted`` ride along (one batch, one forward) attending over their own
         draft chain only; their drafts are never verified. The logits are raw (``is_verify``
-        skips SGLang's sampler); ``srt/row_acceptance.py`` says why that is what drafted rows
+        skips SGLang's sampler); ``verify/row_acceptance.py`` says why that is what drafted rows
         sample from. Returns the seconds its draft forwards took (each timed with its inputs
         and its column of drafts, as the planner prices a draft forward).
         """
@@ -193,7 +193,7 @@ class DecodeSteps:
 
     def _verify_step(self, batch, step: StepRows, drafts: int):
         """Draft ``drafts`` tokens for ``step.drafted``, verify every row, commit
-        (``srt/row_acceptance.py``)."""
+        (``verify/row_acceptance.py``)."""
         started, drafting_seconds = time.perf_counter(), 0.0
         bs, drafted, plain_rows = len(batch.reqs), step.drafted, step.plain
         for i in plain_rows:

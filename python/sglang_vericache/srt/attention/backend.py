@@ -13,7 +13,7 @@ Three forward kinds reach it (``AttentionBackend.forward`` dispatches DECODE to
   score by attention (SnapKV, H2O).
 - DECODE while the worker holds a ``DraftPlan`` (drafting): each request attends over its
   compressed view of the committed context plus the full-precision KV of its own draft chain,
-  in place in the view's buffer (``srt/draft_attention.py``)::
+  in place in the view's buffer (``srt/attention/draft_attention.py``)::
 
       positions   0 ............. base-1 | base ... seq_len-1
       keys        compressed view (kept / | pool slots written by this
@@ -24,7 +24,7 @@ Three forward kinds reach it (``AttentionBackend.forward`` dispatches DECODE to
   the verify kernel (``ops/cpu_verify_decode.py``: 1.56x torch's SDPA loop at 8 rows x 6.3k),
   reading each row's full KV where the ledger finds it.
 
-The full KV of a request is read through the offload ledger (``srt/offload.py``): positions the
+The full KV of a request is read through the offload ledger (``srt/kv/offload.py``): positions the
 worker moved to host memory come from there, the rest from the pool. Plain DECODE steps over a
 batch with offloaded rows take the same per-request path.
 """
@@ -43,8 +43,8 @@ from torch.nn.functional import scaled_dot_product_attention
 
 from sglang_vericache.compress.attend import group_mask, grouped_sdpa
 from sglang_vericache.ops.cpu_verify_decode import CpuVerifyDecode, load_cpu_verify_decode
-from sglang_vericache.srt.draft_attention import DraftPlan
-from sglang_vericache.srt.offload import ledger_for
+from sglang_vericache.srt.attention.draft_attention import DraftPlan
+from sglang_vericache.srt.kv.offload import ledger_for
 from sglang_vericache.verify.step_profile import StepClock
 
 if TYPE_CHECKING:
@@ -231,7 +231,7 @@ class VeriCacheAttnBackend(TorchNativeAttnBackend):
         return out.view(-1, layer.tp_q_head_num * layer.v_head_dim)
 
     def _draft_attend(self, q3, layer: RadixAttention, rows: list[int], seq_lens: list[int]):
-        """One draft forward's attention at ``layer`` (``srt/draft_attention.py``)."""
+        """One draft forward's attention at ``layer`` (``srt/attention/draft_attention.py``)."""
         table = self.req_to_token_pool.req_to_token
         chains = [table[row, base:end].to(torch.int64)
                   for row, base, end in zip(rows, self.draft.base_lens, seq_lens)]  # fmt: skip

@@ -1,6 +1,6 @@
 """Which KV may cross to and from the remote tier, and the tier link's set-up.
 
-A tier key names tokens and the model (``tier/keys.py``, ``srt/model_identity.py``). KV may be
+A tier key names tokens and the model (``tier/keys.py``, ``srt/prefix/model_identity.py``). KV may be
 written under a key, or taken from one, only where the key says everything that decided it:
 
 - the request's token ids are its content (``tier_content``): not ``input_embeds`` (SGLang
@@ -24,7 +24,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
-from sglang_vericache.srt.remote_prefix import RemotePrefixLink
+from sglang_vericache.srt.prefix.remote_prefix import RemotePrefixLink
 from sglang_vericache.tier.link_bounds import LinkBounds
 
 logger = logging.getLogger(__name__)
@@ -88,7 +88,7 @@ def open_remote(ctx: Any, num_layers: int, chunk_tokens: int
     None for the host tier and for a ``--disable-radix-cache`` server. Keys name the weights
     served now (``ServedWeights``), which SGLang's weight updates move on."""
     from sglang_vericache.config import TierKind
-    from sglang_vericache.srt.model_identity import ServedWeights, server_model_identity
+    from sglang_vericache.srt.prefix.model_identity import ServedWeights, server_model_identity
     from sglang_vericache.srt.plugin import vericache_config
 
     config = vericache_config(ctx.server_args)

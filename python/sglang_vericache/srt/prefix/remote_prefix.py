@@ -43,7 +43,7 @@ from typing import Callable, Sequence
 
 from torch import Tensor
 
-from sglang_vericache.srt.draft_length import ewma
+from sglang_vericache.verify.draft_length import ewma
 from sglang_vericache.tier import TaskStatus, chunk_keys, open_tier
 from sglang_vericache.tier.base import FullKVTier, TaskId
 from sglang_vericache.tier.geometry import KVGeometry

@@ -1,6 +1,6 @@
 """Compressed KV in the device pool: each drafted request's draft row.
 
-When a drafted request's full KV leaves the pool (``srt/offload.py``), it holds pool slots for
+When a drafted request's full KV leaves the pool (``srt/kv/offload.py``), it holds pool slots for
 its compressed KV, as many as its bytes fill: the allocator counts them, so admission sees what
 VeriCache holds. Those slots are its draft row: column j of every layer's full-precision view
 (a dropper's kept tokens, a quantizer's residual, then the recent window) lives in slot
@@ -12,7 +12,7 @@ count, keys post-RoPE), so one slot holds column j of all heads::
     layer l, K and V    col 0 col 1 col 2     col n-1 | free (appends, folds)
 
 A draft forward reads a row by its slots, its chain by the chain's own slots
-(``srt/draft_attention.py``), in place. A KIVI body's packed codes and scales are pages of the
+(``srt/attention/draft_attention.py``), in place. A KIVI body's packed codes and scales are pages of the
 same row (``pages``, one page of slots per key group, ``compress/kivi_pages.py``): layer l's
 body in layer l's buffers at the row's first pages, read packed where they lie::
 
@@ -49,7 +49,7 @@ from torch import Tensor
 from sglang_vericache.compress.base import QuantizedBlock
 from sglang_vericache.compress.kivi_pages import KiviPageLayout, PagedKiviBlock
 from sglang_vericache.compress.view_store import ViewStore
-from sglang_vericache.srt.offload import read_pool_kv
+from sglang_vericache.srt.kv.offload import read_pool_kv
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """The ``vericache`` prefix cache: SGLang's radix tree, aware of rows offloaded to host memory.
 
 ``--vericache`` selects it (``--radix-cache-backend vericache``). It differs from ``RadixCache``
-only where a drafted request's row holds placeholders instead of slots (``srt/offload.py``):
+only where a drafted request's row holds placeholders instead of slots (``srt/kv/offload.py``):
 
 - a running request whose KV is in the pool is checkpointed as in SGLang (its prompt is a hit
   for others). When a drafted row's full KV moves to the host (after prefill on the CPU backend,
@@ -30,10 +30,10 @@ sequence (FULL: the next turn on this server is a device hit), and its compresse
 as a DEMOTED prefix (``tier/demoted.py``), charged to the pool: this tree is its
 ``PoolAccount``. Eviction frees FULL nodes first, then DEMOTED entries,
 and counts both as evictable. A prompt whose prefix the tier holds past the device match is
-loaded from it instead of recomputed (``srt/remote_prefix.py``), and while that fetch runs the
-request is drafted from its DEMOTED prefix (``srt/draft_ahead.py``). A prefix computed by one
+loaded from it instead of recomputed (``srt/prefix/remote_prefix.py``), and while that fetch runs the
+request is drafted from its DEMOTED prefix (``srt/prefix/draft_ahead.py``). A prefix computed by one
 server is a hit on every server sharing the tier and serving the same weights; only requests
-whose KV the key names (their tokens, the weights served now) cross (``srt/tier_eligibility.py``).
+whose KV the key names (their tokens, the weights served now) cross (``srt/prefix/tier_eligibility.py``).
 """
 
 from __future__ import annotations
@@ -51,12 +51,12 @@ from sglang.srt.mem_cache.base_prefix_cache import (
 )
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
 
-from sglang_vericache.srt.draft_ahead import AHEAD_ATTR, DraftAhead
+from sglang_vericache.srt.prefix.draft_ahead import AHEAD_ATTR, DraftAhead
 from sglang_vericache.srt.metrics import TierLinkExporter
-from sglang_vericache.srt.offload import write_pool_all_layers
-from sglang_vericache.srt.offloader import PoolOffloader
-from sglang_vericache.srt.remote_prefix import LINK_ATTR, RemotePrefixLink
-from sglang_vericache.srt.tier_eligibility import TierEligibility, open_remote
+from sglang_vericache.srt.kv.offload import write_pool_all_layers
+from sglang_vericache.srt.kv.offloader import PoolOffloader
+from sglang_vericache.srt.prefix.remote_prefix import LINK_ATTR, RemotePrefixLink
+from sglang_vericache.srt.prefix.tier_eligibility import TierEligibility, open_remote
 from sglang_vericache.tier.demoted import DemotedPrefixes
 
 logger = logging.getLogger(__name__)

@@ -1,7 +1,7 @@
 """What the worker tells the planner and the placement policy about a batch (glue, no policy).
 
 - ``step_rows``: each row's context, compressed-view size and remaining budget, for the
-  draft-or-plain decision (``srt/draft_length.py`` -> ``verify/step_plan.py``);
+  draft-or-plain decision (``verify/draft_length.py`` -> ``verify/step_plan.py``);
 - ``plain_shape`` / ``verify_shape``: the shape of the full-KV forwards the worker times, for
   the cost fit (``verify/step_cost.py``; draft forwards: ``ForwardShape.draft``);
 - ``relieve_pressure``: offload resident drafted rows while admission or the next step is short
@@ -16,8 +16,8 @@ from __future__ import annotations
 from typing import Any, Mapping, Sequence
 
 from sglang_vericache.placement import ResidentRow, low_water, rows_to_offload, shortfall
-from sglang_vericache.srt.draft_length import StepRow
-from sglang_vericache.srt.eligibility import tokens_left
+from sglang_vericache.verify.draft_length import StepRow
+from sglang_vericache.srt.decode.eligibility import tokens_left
 from sglang_vericache.verify.step_cost import ForwardShape
 
 
