@@ -32,10 +32,16 @@ from sglang_vericache.config import (
     add_cli_flags,
     parse_cli_flags,
 )
+from sglang_vericache.server_record import (
+    ALGORITHM,
+    AUTO_DRAFT_LEN,
+    BACKEND_NAME,
+    PLAIN_OVERLAP_ATTR,
+    SERVER_ARGS_ATTR,
+)
 
 logger = logging.getLogger(__name__)
 
-SERVER_ARGS_ATTR = "_vericache"
 _HOOK_SOURCE = "sglang_vericache"
 
 # SGLang loads plugins once per process, but Engine users and tests may call register() again;
@@ -71,9 +77,6 @@ def check_compatible(config: VeriCacheConfig, argv: list[str]) -> None:
 
 def _apply(server_args: Any, config: VeriCacheConfig) -> None:
     """Point SGLang at the VERICACHE worker and attention backend (record not yet resolved)."""
-    from sglang_vericache.srt.hooks.penalties import PLAIN_OVERLAP_ATTR
-    from sglang_vericache.srt.registration import ALGORITHM, AUTO_DRAFT_LEN, BACKEND_NAME
-
     # the same server without --vericache would overlap its scheduling unless told not to;
     # penalties follow that scheduler's rule (srt/hooks/penalties.py)
     setattr(server_args, PLAIN_OVERLAP_ATTR, not server_args.disable_overlap_schedule)
@@ -109,12 +112,6 @@ def attach(server_args: Any, config: VeriCacheConfig) -> None:
     setattr(server_args, SERVER_ARGS_ATTR, config.to_dict())
     if config.enabled:
         _apply(server_args, config)
-
-
-def vericache_config(server_args: Any) -> VeriCacheConfig:
-    """The config carried by a ServerArgs record (disabled if it has none)."""
-    raw = getattr(server_args, SERVER_ARGS_ATTR, None)
-    return VeriCacheConfig() if raw is None else VeriCacheConfig.from_dict(raw)
 
 
 def _has_model_path(argv: list[str]) -> bool:

@@ -12,9 +12,7 @@ from typing import Any
 
 from sglang.srt.speculative.spec_registry import CustomSpecAlgo
 
-ALGORITHM = "VERICACHE"
-BACKEND_NAME = "vericache"
-AUTO_DRAFT_LEN = 16  # most drafts per verify with --vericache-draft-len auto (verify/draft_length.py)
+from sglang_vericache.server_record import ALGORITHM, BACKEND_NAME
 
 
 class VeriCacheAlgo(CustomSpecAlgo):

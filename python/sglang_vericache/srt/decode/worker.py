@@ -52,6 +52,7 @@ from sglang_vericache.config import Placement
 from sglang_vericache.ops.cpu_draft_decode import load_cpu_draft_decode
 from sglang_vericache.ops.dropped_decode import PagedDecodeGeometry, paged_draft_decoder
 from sglang_vericache.ops.pool_kivi_decode import pool_kivi_decoder
+from sglang_vericache.server_record import vericache_config
 from sglang_vericache.srt.attention.backend import QueryCapture, VeriCacheAttnBackend
 from sglang_vericache.srt.decode.batch_inputs import (
     spec_result,
@@ -70,7 +71,6 @@ from sglang_vericache.srt.kv.full_kv_stage import FullKVStager
 from sglang_vericache.srt.metrics import VeriCacheExporter, request_meta_info
 from sglang_vericache.srt.kv.offloader import PoolOffloader
 from sglang_vericache.srt.hooks.patches import publish_meta_info
-from sglang_vericache.srt.plugin import vericache_config
 from sglang_vericache.srt.prefix.remote_prefix import link_for
 from sglang_vericache.srt.decode.request_book import RequestBook
 from sglang_vericache.verify.stats import DecodeMode

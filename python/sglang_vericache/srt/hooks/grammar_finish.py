@@ -24,6 +24,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from sglang_vericache.server_record import ALGORITHM
+
 ACCEPT_TARGET = (
     "sglang.srt.managers.scheduler_components.batch_result_processor."
     "SchedulerBatchResultProcessor._accept_grammar_tokens"
@@ -41,8 +43,6 @@ def hides_termination(terminated_at: int | None, output_len: int) -> bool:
 
 def _serving_vericache() -> bool:
     from sglang.srt.runtime_context import get_server_args
-
-    from sglang_vericache.srt.registration import ALGORITHM
 
     return getattr(get_server_args(), "speculative_algorithm", None) == ALGORITHM
 

@@ -26,8 +26,9 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from sglang_vericache.server_record import ALGORITHM, PLAIN_OVERLAP_ATTR
+
 TARGET = "sglang.srt.managers.schedule_batch.ScheduleBatch.cumulate_penalty_output_tokens"
-PLAIN_OVERLAP_ATTR = "_vericache_plain_overlap"
 
 
 def penalized_token(output_ids: Sequence[int], prompt_ids: Sequence[int], overlapped: bool) -> int:
@@ -48,8 +49,6 @@ def _plain_would_overlap() -> bool:
 
 
 def _cumulate_around(original: Callable[..., Any], batch: Any, *args: Any, **kw: Any) -> Any:
-    from sglang_vericache.srt.registration import ALGORITHM
-
     if getattr(batch.spec_algorithm, "name", None) != ALGORITHM or not _plain_would_overlap():
         return original(batch, *args, **kw)
     tokens = [penalized_token(r.output_ids, r.origin_input_ids, True) for r in batch.reqs]

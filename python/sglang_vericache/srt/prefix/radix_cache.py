@@ -57,11 +57,11 @@ from sglang_vericache.srt.kv.offload import write_pool_all_layers
 from sglang_vericache.srt.kv.offloader import PoolOffloader
 from sglang_vericache.srt.prefix.remote_prefix import LINK_ATTR, RemotePrefixLink
 from sglang_vericache.srt.prefix.tier_eligibility import TierEligibility, open_remote
+from sglang_vericache.server_record import vericache_config
 from sglang_vericache.tier.demoted import DemotedPrefixes
 
 logger = logging.getLogger(__name__)
 
-BACKEND_NAME = "vericache"
 REMOTE_CHUNK_TOKENS = 128  # tokens per tier chunk: the granularity of cross-request reuse
 
 
@@ -364,8 +364,6 @@ def build_vericache_radix_cache(ctx: Any) -> VeriCacheRadixCache:
         )
     width = int(ctx.server_args.speculative_num_draft_tokens or 1)
     layers = ctx.model_config.num_hidden_layers
-    from sglang_vericache.srt.plugin import vericache_config
-
     fetch_drafting = vericache_config(ctx.server_args).fetch_drafting
     remote, eligibility = open_remote(ctx, layers, REMOTE_CHUNK_TOKENS) or (None, None)
     metrics = None

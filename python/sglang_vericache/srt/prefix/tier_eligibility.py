@@ -89,7 +89,7 @@ def open_remote(ctx: Any, num_layers: int, chunk_tokens: int
     served now (``ServedWeights``), which SGLang's weight updates move on."""
     from sglang_vericache.config import TierKind
     from sglang_vericache.srt.prefix.model_identity import ServedWeights, server_model_identity
-    from sglang_vericache.srt.plugin import vericache_config
+    from sglang_vericache.server_record import vericache_config
 
     config = vericache_config(ctx.server_args)
     tier = config.tier
