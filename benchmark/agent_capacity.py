@@ -40,7 +40,7 @@ from remote_prefix import SAME_ATTENTION_ARGS, build_sessions, session_args  # n
 from remote_prefix import replay as replay_sessions  # noqa: E402
 
 from sglang_vericache.exactness.server import SGLangServer  # noqa: E402
-from sglang_vericache.exactness.tier_server import ServerProcess  # noqa: E402
+from testkit.tier_server import ServerProcess  # noqa: E402
 
 PLAIN = "plain SGLang"
 SAME_ATTENTION = "plain SGLang, vericache attention"

@@ -36,7 +36,7 @@ sys.path.insert(0, str(REPO / "benchmark"))
 from remote_prefix import build_sessions, per_turn, replay, session_args  # noqa: E402
 
 from sglang_vericache.exactness.server import SGLangServer  # noqa: E402
-from sglang_vericache.exactness.tier_server import ServerProcess  # noqa: E402
+from testkit.tier_server import ServerProcess  # noqa: E402
 
 CONFIGS = {"plain": None, "fetch, then decode": "off", "draft while fetching": "on"}
 STARTED = re.compile(r"drafting while its prefix is fetched")

@@ -1,4 +1,4 @@
-"""Long request fuzz: plain SGLang vs --vericache over several seeds (see exactness/fuzz.py).
+"""Long request fuzz: plain SGLang vs --vericache over several seeds (see testkit/fuzz.py).
 
 Starts its own plain and ``--vericache`` servers with the test fixtures' arguments
 (``--max-total-tokens 16384 --chunked-prefill-size 512 --return-hidden-states-mode full``;
@@ -30,14 +30,16 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "python"))
+sys.path.insert(0, str(REPO))  # testkit/: the fuzzer and server fixtures (not in the wheel)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-from sglang_vericache.exactness.fuzz import all_kinds
-from sglang_vericache.exactness.fuzz_compare import DEFAULT_TOLERANCE
-from sglang_vericache.exactness.fuzz_report import markdown, merge
-from sglang_vericache.exactness.fuzz_run import Target, fuzz, vocab_from_server
 from sglang_vericache.exactness.server import SGLangServer
+
+from testkit.fuzz import all_kinds
+from testkit.fuzz_compare import DEFAULT_TOLERANCE
+from testkit.fuzz_report import markdown, merge
+from testkit.fuzz_run import Target, fuzz, vocab_from_server
 
 SHARED_ARGS = ["--max-total-tokens", "16384", "--chunked-prefill-size", "512",
                "--return-hidden-states-mode", "full"]  # test/conftest.py

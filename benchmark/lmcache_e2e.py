@@ -35,12 +35,13 @@ sys.path.insert(0, str(REPO / "benchmark"))
 
 from lmcache_faults import Faults, link_counters
 from remote_prefix import build_sessions, per_turn, replay, session_args
-from sglang_vericache.exactness.lmcache_server import (
+from sglang_vericache.exactness.server import SGLangServer
+
+from testkit.lmcache_server import (
     QUIET_ENV,
     LMCacheServerProcess,
     server_geometry,
 )
-from sglang_vericache.exactness.server import SGLangServer
 
 PLAIN, REPLICAS = "plain SGLang (one server)", "2 replicas, VeriCache + LMCache"
 START = time.monotonic()

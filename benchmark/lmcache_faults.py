@@ -21,8 +21,9 @@ import urllib.request
 from collections.abc import Callable
 from typing import Any
 
-from sglang_vericache.exactness.lmcache_server import LMCacheServerProcess, stored_chunks, wait_task
 from sglang_vericache.exactness.server import SGLangServer, http_json
+
+from testkit.lmcache_server import LMCacheServerProcess, stored_chunks, wait_task
 
 NEW_TOKENS = 12
 

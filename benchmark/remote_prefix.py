@@ -37,7 +37,7 @@ sys.path.insert(0, str(REPO))
 
 from sglang_vericache.exactness.server import SGLangServer  # noqa: E402
 from sglang_vericache.models import ensure_default_model  # noqa: E402
-from sglang_vericache.exactness.tier_server import ServerProcess  # noqa: E402
+from testkit.tier_server import ServerProcess  # noqa: E402
 from benchmark.agentic_tool_calls import vericache_counters  # noqa: E402
 
 RECOMPUTE, REMOTE = "replicas, recompute", "replicas, remote tier (VeriCache)"

@@ -187,7 +187,7 @@ def sampled(res: Results) -> list[str]:
 
 
 FUZZ_TEXT = """
-A seeded generator over SGLang's request surface (`sglang_vericache/exactness/fuzz*.py`): text,
+A seeded generator over SGLang's request surface (`testkit/fuzz*.py`): text,
 `input_ids` and batches, every sampling parameter, grammars, logprob options, streaming and client
 disconnects, the OpenAI endpoints, malformed requests, hidden states, batches with an invalid later
 item, `n` with grammars and logprobs, sampled distributions (48 samples a side, two-sample

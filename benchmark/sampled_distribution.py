@@ -32,8 +32,9 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "python"))
+sys.path.insert(0, str(REPO))  # testkit/: the fuzzer and server fixtures (not in the wheel)
 
-from sglang_vericache.exactness.fuzz_stats import ChiSquare, chi_square_homogeneity  # noqa: E402
+from testkit.fuzz_stats import ChiSquare, chi_square_homogeneity  # noqa: E402
 
 PROMPTS = (
     "The capital of France is a city with a long history. Its most famous landmark is",

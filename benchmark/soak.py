@@ -35,6 +35,7 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "python"))
+sys.path.insert(0, str(REPO))  # testkit/: the fuzzer and server fixtures (not in the wheel)
 sys.path.insert(0, str(REPO / "benchmark"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -42,9 +43,10 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 from soak_traffic import (  # noqa: E402
     ABORT, TrafficMix, metric_values, traffic, tree_usage, trends, window_stats,
 )
-from sglang_vericache.exactness.fuzz import TOKENS, FuzzCase  # noqa: E402
-from sglang_vericache.exactness.fuzz_compare import TOKEN_MISMATCH, compare_case  # noqa: E402
-from sglang_vericache.exactness.fuzz_run import (  # noqa: E402
+
+from testkit.fuzz import TOKENS, FuzzCase  # noqa: E402
+from testkit.fuzz_compare import TOKEN_MISMATCH, compare_case  # noqa: E402
+from testkit.fuzz_run import (  # noqa: E402
     _flush_then_state, abort_later, runs_alone, send, vocab_from_server, wait_idle,
 )
 
@@ -245,7 +247,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     from sglang_vericache.exactness.server import SGLangServer
-    from sglang_vericache.exactness.tier_server import ServerProcess
+
+    from testkit.tier_server import ServerProcess
 
     args = parse_args(argv)
     logs = args.out.parent / f"{args.out.stem}-logs"

@@ -1,6 +1,6 @@
 """The soak's parts that need no server: the traffic mix, process sampling and trend statistics.
 
-Traffic is the fuzzer's request mix (``exactness/fuzz.py``: greedy, sampled, grammar, logprobs,
+Traffic is the fuzzer's request mix (``testkit/fuzz.py``: greedy, sampled, grammar, logprobs,
 streaming, batches, the OpenAI endpoints, malformed bodies), with a share of it replaced by
 client disconnects (a stream closed after one or two events) and aborts (a long request that
 ``/abort_request`` cancels while it runs). Both servers get the same requests in the same order.
@@ -20,8 +20,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from sglang_vericache.exactness.fuzz import GENERATE, STATUS, FuzzCase, VocabInfo, generate_cases
-from sglang_vericache.exactness.fuzz_prompts import short_prompt
+from testkit.fuzz import GENERATE, STATUS, FuzzCase, VocabInfo, generate_cases
+from testkit.fuzz_prompts import short_prompt
 
 ABORT = "abort"  # a case the runner cancels mid-flight through /abort_request
 

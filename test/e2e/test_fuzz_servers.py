@@ -1,6 +1,6 @@
 """Seeded request fuzz: the shared plain server against the shared ``--vericache`` server.
 
-A CI-sized run of ``sglang_vericache.exactness.fuzz`` (80 requests over /generate and the
+A CI-sized run of ``testkit.fuzz`` (80 requests over /generate and the
 OpenAI endpoints, malformed ones included; about 2 s each on 2 cores; seed 21's 80 cases draw
 every one of the generator's 23 kinds: hidden states, invalid later batch items, sampled
 distributions, a weight reload and an abort storm among them): the same HTTP status for every
@@ -22,11 +22,12 @@ import os
 from pathlib import Path
 
 import pytest
-from sglang_vericache.exactness import fuzz_compare as fc
-from sglang_vericache.exactness.fuzz import GENERATE, FuzzCase
-from sglang_vericache.exactness.fuzz_outputs import Reply
-from sglang_vericache.exactness.fuzz_report import brief, summarize
-from sglang_vericache.exactness.fuzz_run import Target, fuzz
+
+from testkit import fuzz_compare as fc
+from testkit.fuzz import GENERATE, FuzzCase
+from testkit.fuzz_outputs import Reply
+from testkit.fuzz_report import brief, summarize
+from testkit.fuzz_run import Target, fuzz
 
 pytestmark = [pytest.mark.sglang, pytest.mark.model, pytest.mark.timeout(1800)]
 

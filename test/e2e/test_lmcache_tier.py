@@ -34,7 +34,7 @@ NEW_TOKENS = 12
 
 @pytest.fixture(scope="module")
 def lmcache_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator:
-    from sglang_vericache.exactness.lmcache_server import LMCacheServerProcess
+    from testkit.lmcache_server import LMCacheServerProcess
 
     log = tmp_path_factory.mktemp("lmcache") / "lmcache-server.log"
     with LMCacheServerProcess(CHUNK, l1_size_gb=0.5, log_path=log) as server:
@@ -43,7 +43,7 @@ def lmcache_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator:
 
 @pytest.fixture(scope="module")
 def lmcache_vericache_server(lmcache_server, tmp_path_factory) -> Iterator[SGLangServer]:
-    from sglang_vericache.exactness.lmcache_server import QUIET_ENV
+    from testkit.lmcache_server import QUIET_ENV
 
     args = ["--max-total-tokens", "16384", "--chunked-prefill-size", "512", "--vericache",
             "--vericache-tier", lmcache_server.spec, "--enable-metrics"]
@@ -68,8 +68,9 @@ def _hit_tokens(server: SGLangServer) -> float:
 
 def test_prefix_written_to_lmcache_is_hit_after_the_device_cache_is_flushed(
         lmcache_server, lmcache_vericache_server, plain_server, default_model_path: Path) -> None:
-    from sglang_vericache.exactness.lmcache_server import server_geometry, stored_chunks
     from transformers import AutoTokenizer
+
+    from testkit.lmcache_server import server_geometry, stored_chunks
 
     server = lmcache_vericache_server
     tokenizer = AutoTokenizer.from_pretrained(default_model_path)

@@ -18,8 +18,9 @@ import pytest
 
 from sglang_vericache.exactness.server import SGLangServer, http_json
 from sglang_vericache.tier.admin import server_request
-from sglang_vericache.exactness.tier_server import ServerProcess
 from sglang_vericache.tier.protocol import Op
+
+from testkit.tier_server import ServerProcess
 
 pytestmark = [pytest.mark.sglang, pytest.mark.model, pytest.mark.timeout(1200)]
 

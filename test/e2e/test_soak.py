@@ -39,7 +39,8 @@ EXCLUDE = ("hidden",)
 @pytest.fixture(scope="module")
 def tiered_server(default_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator:
     from sglang_vericache.exactness.server import SGLangServer
-    from sglang_vericache.exactness.tier_server import ServerProcess
+
+    from testkit.tier_server import ServerProcess
 
     log = tmp_path_factory.mktemp("soak") / "vericache.log"
     with ServerProcess(capacity_gb=0.5) as tier:

@@ -25,7 +25,8 @@ from pathlib import Path
 
 import pytest
 from sglang_vericache.exactness.server import SGLangServer, http_json
-from sglang_vericache.exactness.tier_server import ServerProcess
+
+from testkit.tier_server import ServerProcess
 
 pytestmark = [pytest.mark.sglang, pytest.mark.model, pytest.mark.timeout(2400)]
 

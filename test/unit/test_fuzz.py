@@ -11,8 +11,9 @@ import json
 from collections import Counter
 
 import pytest
-from sglang_vericache.exactness import fuzz_compare as fc
-from sglang_vericache.exactness.fuzz import (
+
+from testkit import fuzz_compare as fc
+from testkit.fuzz import (
     CHAT,
     COMPLETIONS,
     COUNT,
@@ -25,9 +26,9 @@ from sglang_vericache.exactness.fuzz import (
     generate_cases,
     tags_of,
 )  # fmt: skip
-from sglang_vericache.exactness.fuzz_outputs import Reply, outputs
-from sglang_vericache.exactness.fuzz_report import abbreviate, brief, markdown, merge, summarize
-from sglang_vericache.exactness.fuzz_surfaces import DISTRIBUTION, STORM, UPDATE_WEIGHTS
+from testkit.fuzz_outputs import Reply, outputs
+from testkit.fuzz_report import abbreviate, brief, markdown, merge, summarize
+from testkit.fuzz_surfaces import DISTRIBUTION, STORM, UPDATE_WEIGHTS
 
 VOCAB = VocabInfo(vocab_size=49152, context_len=8192, frequent_ids=(260, 198, 30, 28))
 

@@ -13,8 +13,9 @@ from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
-from sglang_vericache.exactness.fuzz import GENERATE, STATUS, FuzzCase, VocabInfo
-from sglang_vericache.exactness.fuzz_run import (
+
+from testkit.fuzz import GENERATE, STATUS, FuzzCase, VocabInfo
+from testkit.fuzz_run import (
     Target,
     check_health,
     fuzz,

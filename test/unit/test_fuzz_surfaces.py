@@ -6,13 +6,14 @@ from __future__ import annotations
 import random
 
 import pytest
-from sglang_vericache.exactness import fuzz_compare as fc
-from sglang_vericache.exactness.fuzz import GENERATE, TOKENS, FuzzCase, VocabInfo, generate_cases
-from sglang_vericache.exactness.fuzz_outputs import Reply
-from sglang_vericache.exactness.fuzz_report import summarize
-from sglang_vericache.exactness.fuzz_run import runs_alone
-from sglang_vericache.exactness.fuzz_stats import chi_square_homogeneity
-from sglang_vericache.exactness.fuzz_surfaces import DISTRIBUTION, UPDATE_WEIGHTS
+
+from testkit import fuzz_compare as fc
+from testkit.fuzz import GENERATE, TOKENS, FuzzCase, VocabInfo, generate_cases
+from testkit.fuzz_outputs import Reply
+from testkit.fuzz_report import summarize
+from testkit.fuzz_run import runs_alone
+from testkit.fuzz_stats import chi_square_homogeneity
+from testkit.fuzz_surfaces import DISTRIBUTION, UPDATE_WEIGHTS
 
 VOCAB = VocabInfo(49152, 8192, (260, 198, 30, 28), hidden_size=576, model_path="/models/m")
 

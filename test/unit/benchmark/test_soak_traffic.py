@@ -16,7 +16,7 @@ sys.path.insert(0, str(REPO / "benchmark"))
 from soak_traffic import (  # noqa: E402
     ABORT, TrafficMix, metric_values, slope, traffic, tree_usage, trends,
 )
-from sglang_vericache.exactness.fuzz import VocabInfo  # noqa: E402
+from testkit.fuzz import VocabInfo  # noqa: E402
 
 VOCAB = VocabInfo(49152, 8192, (260, 198), hidden_size=576, model_path="/m")
 
@@ -71,8 +71,8 @@ def test_tree_usage_counts_this_process() -> None:
 
 def test_only_token_differences_count_as_greedy_mismatches() -> None:
     from soak import SoakTarget, compare_greedy
-    from sglang_vericache.exactness.fuzz import GENERATE, TOKENS, FuzzCase
-    from sglang_vericache.exactness.fuzz_outputs import Reply
+    from testkit.fuzz import GENERATE, TOKENS, FuzzCase
+    from testkit.fuzz_outputs import Reply
 
     case = FuzzCase(0, "greedy", GENERATE, {"text": "x"}, TOKENS)
     case2 = FuzzCase(1, "greedy", GENERATE, {"text": "y"}, TOKENS)

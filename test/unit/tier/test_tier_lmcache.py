@@ -59,7 +59,7 @@ def test_pseudo_tokens_encode_the_whole_key() -> None:
 
 @pytest.fixture(scope="module")
 def lmcache_server() -> Iterator[str]:
-    from sglang_vericache.exactness.lmcache_server import LMCacheServerProcess
+    from testkit.lmcache_server import LMCacheServerProcess
 
     with LMCacheServerProcess(GEOMETRY.chunk_tokens, l1_size_gb=0.25) as server:
         yield server.spec
@@ -111,7 +111,7 @@ def test_a_restarted_server_takes_the_next_put() -> None:
     zmq reconnects to it silently: the client's next store must register again and land, not be
     refused for ever (seen end to end: no write-through landed after a restart in 360 s; the
     server logged "context not registered" for every store)."""
-    from sglang_vericache.exactness.lmcache_server import LMCacheServerProcess
+    from testkit.lmcache_server import LMCacheServerProcess
 
     with LMCacheServerProcess(GEOMETRY.chunk_tokens, l1_size_gb=0.25) as server:
         # the refused store surfaces as a timeout, and its session's cleanup times out too:

@@ -7,13 +7,14 @@ from collections.abc import Sequence
 
 import zmq
 from sglang_vericache.exactness.server import free_port  # noqa: F401
-from sglang_vericache.exactness.tier_server import PACKAGE_ROOT, ServerProcess  # noqa: F401
 from sglang_vericache.tier.auth import ClientSession
 from sglang_vericache.tier.base import FullKVTier, TaskId, TaskResult
 from sglang_vericache.tier.geometry import KVGeometry
 from sglang_vericache.tier.handshake import authenticate_client_socket
 from sglang_vericache.tier.protocol import unpack_header
 from sglang_vericache.tier.secret import resolve_secret
+
+from testkit.tier_server import PACKAGE_ROOT, ServerProcess  # noqa: F401
 
 TINY = KVGeometry("tiny-llama", num_layers=2, num_kv_heads=2, head_dim=4, dtype="float32",
                   chunk_tokens=8)

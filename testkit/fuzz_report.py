@@ -11,8 +11,8 @@ from collections import Counter, defaultdict
 from collections.abc import Sequence
 from typing import Any
 
-from sglang_vericache.exactness import fuzz_compare as fc
-from sglang_vericache.exactness.fuzz import FuzzCase
+from testkit import fuzz_compare as fc
+from testkit.fuzz import FuzzCase
 
 # summary key for each problem kind
 LISTS = {

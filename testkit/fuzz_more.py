@@ -13,7 +13,7 @@ import random
 from collections.abc import Callable
 from typing import Any
 
-from sglang_vericache.exactness.fuzz import (
+from testkit.fuzz import (
     CHAT,
     COMPLETIONS,
     COUNT,
@@ -30,7 +30,7 @@ from sglang_vericache.exactness.fuzz import (
     max_new,
     random_ids,
 )  # fmt: skip
-from sglang_vericache.exactness.fuzz_prompts import QUESTIONS, SHORT, long_prompt, short_prompt
+from testkit.fuzz_prompts import QUESTIONS, SHORT, long_prompt, short_prompt
 
 MODEL = "default"
 # Regexes whose every match is a few tokens long: decoding ends however large max_new_tokens is.

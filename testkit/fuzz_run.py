@@ -42,11 +42,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from sglang_vericache.exactness.fuzz import FuzzCase, VocabInfo, generate_cases
-from sglang_vericache.exactness.fuzz_compare import DEFAULT_TOLERANCE, compare_case
-from sglang_vericache.exactness.fuzz_outputs import Reply
-from sglang_vericache.exactness.fuzz_report import summarize
-from sglang_vericache.exactness.fuzz_surfaces import STORM
+from testkit.fuzz import FuzzCase, VocabInfo, generate_cases
+from testkit.fuzz_compare import DEFAULT_TOLERANCE, compare_case
+from testkit.fuzz_outputs import Reply
+from testkit.fuzz_report import summarize
+from testkit.fuzz_surfaces import STORM
 
 FREQUENT_STRINGS = (" the", "\n", ".", ",", " and")
 
@@ -109,7 +109,7 @@ def run_storm(base_url: str, case: FuzzCase, timeout: float) -> Reply:
     ``aborts`` requests cancelled through ``/abort_request`` while they run. The reply's status
     is 200 when the server still answers /health afterwards (the leak check at the end of the
     run sees what the burst left behind), None otherwise."""
-    from sglang_vericache.exactness.fuzz import GENERATE, STATUS
+    from testkit.fuzz import GENERATE, STATUS
 
     spec, start = case.body, time.perf_counter()
     params = {"temperature": 0, "max_new_tokens": spec["max_new_tokens"], "ignore_eos": True}

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from sglang_vericache.exactness.fuzz import CHAT, COMPLETIONS, FuzzCase
+from testkit.fuzz import CHAT, COMPLETIONS, FuzzCase
 
 # A log-prob table: stream name -> one {token key: log-prob} per position (None: no value).
 Table = dict[str, list[dict[Any, float | None] | None]]

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from sglang_vericache.exactness.fuzz_prompts import long_prompt, short_prompt
+from testkit.fuzz_prompts import long_prompt, short_prompt
 
 GENERATE = "/generate"
 COMPLETIONS = "/v1/completions"
@@ -312,7 +312,7 @@ def build_kinds() -> tuple[tuple[str, float, Callable[[random.Random, VocabInfo]
     """(kind, weight, builder); the OpenAI, malformed and context-edge kinds are in fuzz_more,
     hidden states, invalid batch items, distributions, embeddings, weight updates and storms in
     fuzz_surfaces."""
-    from sglang_vericache.exactness import fuzz_more, fuzz_surfaces
+    from testkit import fuzz_more, fuzz_surfaces
 
     return (
         ("greedy", 13, k_greedy), ("long", 4, k_long), ("input_ids", 6, k_input_ids),

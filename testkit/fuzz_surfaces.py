@@ -22,7 +22,7 @@ import random
 from collections.abc import Callable
 from typing import Any
 
-from sglang_vericache.exactness.fuzz import (
+from testkit.fuzz import (
     GENERATE,
     STATUS,
     TOKENS,
@@ -35,7 +35,7 @@ from sglang_vericache.exactness.fuzz import (
     random_ids,
     sampled,
 )  # fmt: skip
-from sglang_vericache.exactness.fuzz_prompts import short_prompt
+from testkit.fuzz_prompts import short_prompt
 
 DISTRIBUTION = "distribution"  # check: sampled completions compared as distributions
 STORM = "storm"  # pseudo-endpoint: the runner sends a burst (``fuzz_run.run_storm``)

@@ -17,10 +17,10 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from sglang_vericache.exactness.fuzz import COUNT, TOKENS, FuzzCase
-from sglang_vericache.exactness.fuzz_outputs import Output, Reply, Table, outputs
-from sglang_vericache.exactness.fuzz_stats import chi_square_homogeneity
-from sglang_vericache.exactness.fuzz_surfaces import DISTRIBUTION
+from testkit.fuzz import COUNT, TOKENS, FuzzCase
+from testkit.fuzz_outputs import Output, Reply, Table, outputs
+from testkit.fuzz_stats import chi_square_homogeneity
+from testkit.fuzz_surfaces import DISTRIBUTION
 
 DEFAULT_TOLERANCE = 1e-3
 # Hidden states of a plain step are SGLang's own forward's; a verify forward's may differ from a
