@@ -42,6 +42,7 @@ from sglang_vericache.tier.base import TaskId, TaskKind, TaskStatus, check_batch
 from sglang_vericache.tier.geometry import KVGeometry
 from sglang_vericache.tier.handshake import authenticate_client_socket, refusal_error
 from sglang_vericache.tier.keys import ChunkKey
+from sglang_vericache.tier.layout import copy_bytes_into, tensor_bytes
 from sglang_vericache.tier.outbox import ClientTask, plan_sends
 from sglang_vericache.tier.protocol import (
     EPOCH_BYTES,
@@ -65,11 +66,6 @@ _COUNTERS = ("submitted", "completed", "failures", "timeouts", "disconnects", "u
              "chunks_put", "chunks_fetched", "chunks_missed", "bytes_sent", "bytes_received")
 
 _RESIGN_AFTER_S = 1.0  # unsent frames older than this are signed again (auth.START_GRACE_S)
-
-
-def tensor_bytes(tensor: torch.Tensor) -> memoryview:
-    """Zero-copy byte view of a contiguous CPU tensor (works for bf16/fp8 too)."""
-    return memoryview(tensor.view(torch.uint8).reshape(-1).numpy())
 
 
 class ZmqTier(TaskTableTier[ClientTask]):
@@ -373,8 +369,7 @@ class ZmqTier(TaskTableTier[ClientTask]):
                 error = self._verify_chunk(task.keys[i], item, frame)
                 if error is not None:
                     break
-                dst = task.tensors[i]
-                dst.view(torch.uint8).reshape(-1).copy_(torch.frombuffer(frame, dtype=torch.uint8))
+                copy_bytes_into(task.tensors[i], frame)
                 ok[i] = True
                 nbytes += frame.nbytes
         hits = sum(ok)

@@ -1,4 +1,5 @@
-"""Tensor helpers for the chunk layout of ``geometry.py``: split, join, allocate."""
+"""Tensor helpers for the chunk layout of ``geometry.py``: split, join, allocate, and a chunk's
+bytes as they cross the wire (viewed without a copy, written into a destination buffer)."""
 
 from __future__ import annotations
 
@@ -40,3 +41,13 @@ def alloc_chunks(geometry: KVGeometry, num_tokens: int, device: torch.device | s
     return [torch.empty(geometry.chunk_shape(n), dtype=geometry.torch_dtype, device=device,
                         pin_memory=pin_memory)
             for n in geometry.chunk_lengths(num_tokens)]
+
+
+def tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """Zero-copy byte view of a contiguous CPU tensor (works for bf16/fp8 too)."""
+    return memoryview(tensor.view(torch.uint8).reshape(-1).numpy())
+
+
+def copy_bytes_into(dst: torch.Tensor, frame: memoryview) -> None:
+    """Write ``frame`` (``dst.nbytes`` bytes, e.g. a received chunk) into contiguous ``dst``."""
+    dst.view(torch.uint8).reshape(-1).copy_(torch.frombuffer(frame, dtype=torch.uint8))
