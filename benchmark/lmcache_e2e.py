@@ -65,7 +65,7 @@ def main() -> int:
     args = parse_args()
     # SIGTERM (a background run's only stop) unwinds the ExitStack: every server is stopped
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    from sglang_vericache.srt.radix_cache import REMOTE_CHUNK_TOKENS
+    from sglang_vericache.srt.prefix.radix_cache import REMOTE_CHUNK_TOKENS
     from transformers import AutoTokenizer
 
     say(f"workload: {args.sessions} sessions x {args.turns} turns, {args.max_tokens} tokens "

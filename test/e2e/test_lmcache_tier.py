@@ -28,7 +28,7 @@ pytestmark = [
                        "[lmcache] extra, built by scripts/lmcache_venv.sh (.venv-lmcache)"),
 ]
 
-CHUNK = 128  # srt/radix_cache.py REMOTE_CHUNK_TOKENS; the lmcache server's --chunk-size
+CHUNK = 128  # srt/prefix/radix_cache.py REMOTE_CHUNK_TOKENS; the lmcache server's --chunk-size
 NEW_TOKENS = 12
 
 

@@ -24,7 +24,7 @@ from testkit.tier_server import ServerProcess
 
 pytestmark = [pytest.mark.sglang, pytest.mark.model, pytest.mark.timeout(1200)]
 
-CHUNK = 128  # srt/radix_cache.py REMOTE_CHUNK_TOKENS
+CHUNK = 128  # srt/prefix/radix_cache.py REMOTE_CHUNK_TOKENS
 NEW_TOKENS = 12
 KV_BYTES_PER_TOKEN = 30 * 2 * 3 * 64 * 4  # SmolLM2-135M fp32: layers x (K, V) x heads x dim
 LOOKUP_DEADLINE_S = 10  # long enough to tell a request held up behind a hung lookup apart

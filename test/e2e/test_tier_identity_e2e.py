@@ -30,7 +30,7 @@ from testkit.tier_server import ServerProcess
 
 pytestmark = [pytest.mark.sglang, pytest.mark.model, pytest.mark.timeout(2400)]
 
-CHUNK = 128  # srt/radix_cache.py REMOTE_CHUNK_TOKENS
+CHUNK = 128  # srt/prefix/radix_cache.py REMOTE_CHUNK_TOKENS
 NEW_TOKENS = 8
 PERTURBED = ".mlp.up_proj.weight"  # every layer's, negated: another model, same shapes
 
