@@ -32,7 +32,7 @@ offloads have freed slots since the last attempt. The third records what an atte
 (``sglang_vericache.placement``); while nothing waits for memory, full KV stays in the pool.
 With it the second records the ask of each request queued behind (``waiting_asks``), so the
 worker weighs plain decoding against drafting with every request that dropping the batch's
-compressed KV would let in, not just the first (``srt/step_costs.joining_contexts``).
+compressed KV would let in, not just the first (``srt/decode/step_costs.joining_contexts``).
 
 The fourth tells drafting ahead (``srt/prefix/draft_ahead.py``) that the serving path idles: SGLang
 calls ``on_idle`` whenever it has no batch to run, e.g. while every request waits for its
@@ -102,7 +102,7 @@ def _new_prefill_around(original: Callable[..., Any], scheduler: Any, *args: Any
 def queued_asks(scheduler: Any, lacked: list[tuple[str, int, int]]) -> list[tuple[str, int, int]]:
     """``lacked`` (the ask of the request the attempt could not add) followed by the ask of every
     request queued behind it that waits for memory, not for a tier: what freeing slots would let
-    in, in the order admission takes them (``srt/step_costs.joining_contexts``)."""
+    in, in the order admission takes them (``srt/decode/step_costs.joining_contexts``)."""
     waiting = getattr(scheduler.tree_cache, "waiting_for_tier", None)
     rids = [req.rid for req in scheduler.waiting_queue]
     if lacked[0][0] not in rids:
