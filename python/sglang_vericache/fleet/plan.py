@@ -24,9 +24,14 @@ LMCACHE_CHUNK_TOKENS = 128
 LMCACHE_QUIET_ENV = {"LMCACHE_TRACK_USAGE": "false", "DO_NOT_TRACK": "1",
                      "LMCACHE_DISABLE_BANNER": "1", "PYTHONHASHSEED": "0"}
 # smg probes a worker every 60 s and needs 3 failures in a row by default: ~3 minutes during
-# which a dead replica stays in the pool. Its retries already go to another worker; probing
-# every 5 s takes a dead one out within ~10 s. --gateway-arg comes later and wins.
-GATEWAY_FAILOVER_ARGS = ("--health-check-interval-secs", "5", "--health-failure-threshold", "2")
+# which a dead replica stays in the pool, and its circuit opens only after 10 failed requests,
+# while a request is tried 5 times: cache_aware may pick the dead replica (it holds the prefix)
+# for every try. Probing every 5 s takes a dead replica out within ~10 s, and a circuit that
+# opens after 2 failures sends a request's later tries to another replica. On one machine a
+# failed connection means a dead replica, not a congested network. --gateway-arg comes later
+# and wins.
+GATEWAY_FAILOVER_ARGS = ("--health-check-interval-secs", "5", "--health-failure-threshold", "2",
+                         "--cb-failure-threshold", "2")
 SECRET_FILE_ENV = "VERICACHE_TIER_SECRET_FILE"  # tier/secret.py
 
 
