@@ -154,20 +154,4 @@ def write_outputs(out_dir: Path, meta: dict, rows: dict, families: list[str], ra
     table = markdown(results, xs, meta, check)
     (out_dir / "compressors.md").write_text(table)
     plots(out_dir, results, xs, at)
-    _update_readme(out_dir.parent / "README.md", table)
     return doc
-
-
-BEGIN, END = "<!-- compressors-table:begin -->", "<!-- compressors-table:end -->"
-
-
-def _update_readme(readme: Path, table: str) -> None:
-    """Replaces the table between the markers of benchmark/README.md (if it has them)."""
-    if not readme.exists():
-        return
-    text = readme.read_text()
-    if BEGIN not in text or END not in text:
-        return
-    head, _, rest = text.partition(BEGIN)
-    _, _, tail = rest.partition(END)
-    readme.write_text(f"{head}{BEGIN}\n{table}{END}{tail}")
