@@ -10,6 +10,7 @@ and on a real xgrammar regex over the embedded model's tokenizer.
 from __future__ import annotations
 
 import torch
+from grammar_stubs import BoolMaskGrammar
 
 import pytest
 from sglang_vericache.verify.row_acceptance import draft_column
@@ -20,7 +21,7 @@ V = 8
 EOS = 7
 
 
-class ToyGrammar:
+class ToyGrammar(BoolMaskGrammar):
     """Accepts ``1 2 (3|4)+ EOS`` over an 8-token vocabulary; a bool mask, True = allowed.
 
     Same interface as SGLang's grammar objects (``BaseGrammarObject``); rollback like xgrammar's.
@@ -52,21 +53,9 @@ class ToyGrammar:
     def is_terminated(self) -> bool:
         return bool(self.accepted) and self.accepted[-1] == EOS
 
-    @staticmethod
-    def allocate_vocab_mask(vocab_size: int, batch_size: int, device) -> torch.Tensor:
-        return torch.ones(batch_size, vocab_size, dtype=torch.bool, device=device)
-
     def fill_vocab_mask(self, vocab_mask: torch.Tensor, idx: int) -> None:
         vocab_mask[idx] = False
         vocab_mask[idx, sorted(self.allowed())] = True
-
-    @staticmethod
-    def move_vocab_mask(vocab_mask: torch.Tensor, device) -> torch.Tensor:
-        return vocab_mask.to(device)
-
-    @staticmethod
-    def apply_vocab_mask(logits: torch.Tensor, vocab_mask: torch.Tensor) -> None:
-        logits.masked_fill_(~vocab_mask, float("-inf"))
 
 
 def logits_after(prefix: tuple[int, ...], salt: int, vocab: int = V) -> torch.Tensor:

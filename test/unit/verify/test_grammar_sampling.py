@@ -25,6 +25,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from grammar_stubs import BoolMaskGrammar
 from scipy import stats
 
 from sglang_vericache.verify.row_acceptance import SampledDrafts, accept_step, draft_column
@@ -107,7 +108,7 @@ class PrefixModel:
         return out
 
 
-class PrefixGrammar:
+class PrefixGrammar(BoolMaskGrammar):
     """A grammar object over ``PrefixModel``'s allowed sets (``BaseGrammarObject``'s interface
     as ``GrammarChain`` uses it; a bool mask, True = allowed; rollback like xgrammar's)."""
 
@@ -129,19 +130,9 @@ class PrefixGrammar:
         del self.accepted[len(self.accepted) - k:]
         del self.codes[len(self.codes) - k:]
 
-    def allocate_vocab_mask(self, vocab_size: int, batch_size: int, device) -> torch.Tensor:
-        return torch.ones(batch_size, vocab_size, dtype=torch.bool, device=device)
-
     def fill_vocab_mask(self, vocab_mask: torch.Tensor, idx: int) -> None:
         vocab_mask[idx] = self.model.mask(self.codes[-1], len(self.accepted))
 
-    @staticmethod
-    def move_vocab_mask(vocab_mask: torch.Tensor, device) -> torch.Tensor:
-        return vocab_mask.to(device)
-
-    @staticmethod
-    def apply_vocab_mask(logits: torch.Tensor, vocab_mask: torch.Tensor) -> None:
-        logits.masked_fill_(~vocab_mask, float("-inf"))
 
 
 def sampling_info(rows: int, temperature: float) -> SimpleNamespace:
