@@ -41,7 +41,10 @@ def _oai_common(rng: random.Random, body: dict[str, Any]) -> str:
     """Fields both OpenAI endpoints share; returns the check the sampling mode allows."""
     check = TOKENS
     if rng.random() < 0.15:
-        body.update(temperature=0.8, seed=rng.randint(0, 2**31 - 1), ignore_eos=True)
+        body.update(temperature=0.8, seed=rng.randint(0, 2**31 - 1))
+        # SGLang reads a chat limit of 0 as none (``max_completion_tokens or max_tokens``): with
+        # ignore_eos such a row would decode to the context's end (minutes on a CPU)
+        body["ignore_eos"] = all(body.get(k) != 0 for k in ("max_tokens", "max_completion_tokens"))
         check = COUNT
     else:
         body["temperature"] = 0

@@ -69,6 +69,19 @@ def test_greedy_dominates_and_decoding_stays_short(cases: list[FuzzCase]) -> Non
             assert c.kind in ("context_edge", "malformed"), c
 
 
+def test_no_openai_row_without_a_limit_ignores_eos(cases: list[FuzzCase]) -> None:
+    """An OpenAI limit of 0 is no limit in SGLang (``max_completion_tokens or max_tokens``):
+    with ignore_eos the row would decode to the end of the context."""
+    seen_zero = False
+    for c in cases:
+        if c.endpoint in (COMPLETIONS, CHAT) and isinstance(c.body, dict):
+            limits = [c.body.get(k) for k in ("max_tokens", "max_completion_tokens")]
+            if 0 in limits:
+                seen_zero = True
+                assert not c.body.get("ignore_eos"), c
+    assert seen_zero
+
+
 def test_edge_values_are_drawn(cases: list[FuzzCase]) -> None:
     ids = {t for c in cases if isinstance(c.body, dict) and c.kind == "input_ids"
            for t in c.body["input_ids"]}  # fmt: skip
