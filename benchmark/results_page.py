@@ -169,6 +169,7 @@ Renderer = Callable[[Results], list[str]]
 def sections() -> list[tuple[str, Renderer]]:
     from benchmark import results_page_memory as memory
     from benchmark import results_page_quality as quality
+    from benchmark import results_page_serving as serving
     from benchmark import results_page_tier as tier
 
     return [
@@ -176,6 +177,7 @@ def sections() -> list[tuple[str, Renderer]]:
         ("Capacity and budget sweep", memory.capacity),
         ("Latency under load", memory.latency),
         ("Throughput where attention dominates", memory.step_profile),
+        ("Serving through SGLang's client", serving.serving),
         ("Remote prefix across replicas", tier.remote_prefix),
         ("LMCache end to end", tier.lmcache),
         ("Agent fleet capacity", tier.agent_fleet),
@@ -316,15 +318,12 @@ def other_files(res: Results) -> list[str]:
     """Every result JSON no section read, with its date: earlier runs, kept for their data."""
     names = sorted(str(p.relative_to(res.root)) for p in res.root.rglob("*.json"))
     left = [n for n in names if n not in res.used]
-    lines = ["## Other result files", ""]
-    lines += prose("""
-Earlier runs of the questions above, superseded by the rows shown (older code or another machine),
-and per-run summaries the tables aggregate. Their data stays in `benchmark/results/`; what each run
-found is in the git history of this page and of the file.
-""")
-    lines.append("")
-    lines.append(", ".join(f"`{n}` ({res.date(n)})" for n in left) + "." if left else "None.")
-    return lines
+    # One line (the page stays under 500): what these files are, then the list.
+    intro = ("Earlier runs superseded by the rows shown (older code or another machine) and "
+             "per-run summaries the tables aggregate; data in `benchmark/results/`, findings in "
+             "the git history of this page and of the file: ")
+    listed = ", ".join(f"`{n}` ({res.date(n)})" for n in left) + "." if left else "none."
+    return ["## Other result files", "", intro + listed]
 
 
 def build_page(results_dir: Path = RESULTS) -> str:

@@ -1,0 +1,67 @@
+"""Results page section: serving benchmarks through SGLang's own client (serving_grid.json).
+
+``serving(res)`` returns the section's body: one table, a row per (budget, dataset) giving
+VeriCache's output tokens/s over the better baseline cell by cell (median over rounds), the three
+servers' figures at the grid's heaviest cell, and identical texts; "not yet run" without the JSON.
+The full per-cell table (TTFT, TPOT, ratios by round) is serving_grid.md, written beside it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from benchmark.results_page import Results, Row, prose, table
+
+NAME = "serving_grid.json"
+COMMAND = "python benchmark/serving_grid.py"
+SERVERS = ("plain", "offload-only", "vericache")
+
+TEXT = """
+`python -m sglang.benchmark.serving` (SGLang's client, its own metrics) against plain SGLang,
+offload-only and `--vericache`: input length x concurrency, random ids, the real-text prompts and
+3-turn shared prefixes, at an ample and a tight budget, servers taking turns in paired rounds.
+"""
+
+HEAD = ["budget", "dataset", "VeriCache / better baseline, output tok/s (input: by concurrency)",
+        "output tok/s plain / offload-only / VeriCache (heaviest cell)", "identical"]  # fmt: skip
+
+
+def _num(v: Any, fmt: str) -> str:
+    return "-" if v is None else format(v, fmt)
+
+
+def rows(res: Results, report: dict[str, Any]) -> list[Row]:
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for c in report["cells"]:
+        if c.get("summary"):
+            groups.setdefault((c["budget"], c["dataset"]), []).append(c)
+    out = []
+    for (budget, dataset), cells in groups.items():
+        by_len: dict[int, list[str]] = {}
+        for c in sorted(cells, key=lambda c: (c["input_len"], c["concurrency"])):
+            by_len.setdefault(c["input_len"], []).append(
+                _num(c["summary"]["ratio"]["output_throughput"], ".2f"))
+        ratios = "; ".join(f"{n}: {', '.join(v)}" for n, v in by_len.items())
+        top = max(cells, key=lambda c: (c["input_len"], c["concurrency"]))
+        figures = " / ".join(_num(top["summary"]["servers"].get(s, {}).get("output_throughput"),
+                                  ".1f") for s in SERVERS)  # fmt: skip
+        same = [c["summary"]["identical"].get("vericache", {}) for c in cells]
+        identical = f"{sum(s.get('same', 0) for s in same)}/{sum(s.get('total', 0) for s in same)}"
+        out.append(res.row(NAME, [budget, f"`{dataset}`", ratios,
+                                  f"{figures} (in {top['input_len']}, c{top['concurrency']})",
+                                  identical], report.get("command", COMMAND)))  # fmt: skip
+    return out
+
+
+def serving(res: Results) -> list[str]:
+    """The section's body; one line while the grid has not run (the page stays under 500)."""
+    report = res.load(NAME)
+    found = rows(res, report) if report else []
+    if not found:
+        not_run = (f"Not yet run: `{COMMAND}` (SGLang's own client, `python -m "
+                   "sglang.benchmark.serving`, against plain SGLang, offload-only and "
+                   "`--vericache`).")
+        return [not_run]
+    links = res.links("serving_grid.md")
+    text = prose(TEXT) + ([f"Per cell (TTFT, TPOT, ratios by round): {links}."] if links else [])
+    return text + [""] + table(HEAD, found)

@@ -1,0 +1,148 @@
+"""The pure parts of benchmark/serving_grid.py (serving_grid_plan): grid, rounds, harness command,
+output parsing, medians and ratios. No server."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[3]
+sys.path.insert(0, str(REPO))
+
+from benchmark import serving_grid_plan as plan
+
+# One line of the harness's --output-file (sglang 0.5.23, random-ids, --output-details), with
+# server_info and the per-request lists cut short.
+SAMPLE_LINE = json.dumps({
+    "tag": None, "backend": "sglang", "dataset_name": "random-ids", "request_rate": "inf",
+    "max_concurrency": 4, "random_input_len": 1024, "random_output_len": 32, "server_info": {},
+    "duration": 9.81, "completed": 4, "total_input_tokens": 4096, "total_output_tokens": 128,
+    "request_throughput": 0.41, "input_throughput": 417.6, "output_throughput": 13.05,
+    "total_throughput": 430.6, "median_e2e_latency_ms": 9602.0, "p90_e2e_latency_ms": 9790.0,
+    "median_ttft_ms": 5120.5, "p90_ttft_ms": 6001.0, "median_tpot_ms": 140.2, "p90_tpot_ms": 150.9,
+    "median_itl_ms": 139.0, "p90_itl_ms": 160.0, "concurrency": 3.9, "accept_length": None,
+    "max_output_tokens_per_s": 28.0, "max_concurrent_requests": 4,
+    "input_lens": [1024] * 4, "output_lens": [32] * 4, "generated_texts": ["a", "b", "c", "d"],
+    "errors": ["", "", "", ""],
+})  # fmt: skip
+
+
+def test_the_grid_groups_cells_by_budget_and_input_length() -> None:
+    groups = plan.expand_grid(["ample", "tight"], [1024, 4096], ["random-ids", "custom"], [1, 8])
+    assert len(groups) == 4 and all(len(g) == 4 for g in groups)
+    assert {(c.budget, c.input_len) for c in groups[1]} == {("ample", 4096)}
+    assert [c.key() for c in groups[0]][:2] == ["ample/random-ids/in1024/c1",
+                                                "ample/random-ids/in1024/c8"]
+    with pytest.raises(ValueError):
+        plan.expand_grid(["ample"], [1024], ["sharegpt"], [1])
+
+
+def test_rounds_rotate_the_server_order() -> None:
+    servers = [plan.PLAIN, plan.OFFLOAD, plan.VERICACHE]
+    assert plan.round_order(servers, 0) == servers
+    assert plan.round_order(servers, 1) == [plan.OFFLOAD, plan.VERICACHE, plan.PLAIN]
+    assert plan.round_order(servers, 3) == servers
+    firsts = {plan.round_order(servers, r)[0] for r in range(3)}
+    assert firsts == set(servers)
+
+
+def test_budgets_hold_n_full_requests_as_the_other_budget_benchmarks() -> None:
+    assert plan.budget_tokens(2, 1024, 128) == 2 * 1152 + 64
+    assert plan.budget_n_full("ample", [1, 8, 16], 2) == 16
+    assert plan.budget_n_full("tight", [1, 8, 16], 2) == 2
+    with pytest.raises(ValueError):
+        plan.budget_n_full("huge", [1], 2)
+
+
+def test_the_harness_command_per_dataset(tmp_path: Path) -> None:
+    common = {"num_prompts": 8, "output_len": 32, "seed": 3, "output_file": tmp_path / "o.jsonl"}
+    cell = plan.Cell("ample", 1024, "random-ids", 4)
+    cmd = plan.harness_command("py", cell, "http://h:1", "/m", custom_path=None, gsp=None, **common)
+    assert cmd[:3] == ["py", "-m", "sglang.benchmark.serving"]
+    assert cmd[cmd.index("--backend") + 1] == "sglang"
+    for flag, value in (("--max-concurrency", "4"), ("--random-input-len", "1024"),
+                        ("--temperature", "0"), ("--seed", "3"), ("--random-range-ratio", "1.0")):
+        assert cmd[cmd.index(flag) + 1] == value
+    assert "--output-details" in cmd and "--tokenize-prompt" in cmd and "--flush-cache" in cmd
+    custom = plan.harness_command("py", plan.Cell("ample", 1024, "custom", 1), "u", "/m",
+                                  custom_path=tmp_path / "c.jsonl", gsp=None, **common)
+    assert custom[custom.index("--sharegpt-output-len") + 1] == "32"
+    shape = plan.gsp_shape(1024, 32, 8, 3, 64)
+    assert shape.system_len + 3 * 64 + 2 * 32 == 1024 and shape.groups * shape.per_group == 8
+    gsp = plan.harness_command("py", plan.Cell("tight", 1024, "generated-shared-prefix", 8), "u",
+                               "/m", custom_path=None, gsp=shape, **common)
+    assert gsp[gsp.index("--backend") + 1] == "sglang-oai-chat"  # its multi-turn needs chat
+    assert gsp[gsp.index("--gsp-num-turns") + 1] == "3"
+    with pytest.raises(ValueError):
+        plan.gsp_shape(256, 128, 4, 3, 64)
+
+
+def test_custom_jsonl_is_the_harness_format() -> None:
+    row = json.loads(plan.custom_jsonl_lines(["hello"])[0])
+    assert row["conversations"][0]["content"] == "hello" and len(row["conversations"]) == 2
+
+
+def test_parsing_a_recorded_harness_line(tmp_path: Path) -> None:
+    metrics, texts = plan.parse_harness_line(SAMPLE_LINE)
+    assert metrics["output_throughput"] == 13.05 and metrics["median_ttft_ms"] == 5120.5
+    assert metrics["max_output_tokens_per_s"] == 28.0 and metrics["completed"] == 4
+    assert metrics["errors"] == 0 and texts == ["a", "b", "c", "d"]
+    path = tmp_path / "out.jsonl"
+    path.write_text(SAMPLE_LINE.replace("13.05", "1.0") + "\n" + SAMPLE_LINE + "\n")
+    assert plan.parse_harness_file(path)[0]["output_throughput"] == 13.05  # the last line
+    (tmp_path / "empty.jsonl").write_text("")
+    with pytest.raises(ValueError):
+        plan.parse_harness_file(tmp_path / "empty.jsonl")
+
+
+def _round(plain: float, offload: float, vc: float, ttft: tuple[float, float, float]) -> dict:
+    vals = zip((plan.PLAIN, plan.OFFLOAD, plan.VERICACHE), (plain, offload, vc), ttft)
+    return {"servers": {n: {"metrics": {"output_throughput": t, "median_ttft_ms": f}}
+                        for n, t, f in vals},
+            "identical": {plan.VERICACHE: {"same": 4, "total": 4}}}
+
+
+def test_medians_and_ratios_against_the_better_baseline() -> None:
+    rounds = [_round(100, 120, 150, (10, 20, 8)), _round(110, 100, 99, (12, 10, 20)),
+              _round(90, 80, 135, (10, 10, 10))]
+    s = plan.summarize_cell(rounds)
+    assert s["servers"][plan.PLAIN]["output_throughput"] == 100
+    assert s["servers"][plan.VERICACHE]["output_throughput"] == 135
+    assert s["ratio_by_round"]["output_throughput"] == pytest.approx([1.25, 0.9, 1.5])
+    assert s["ratio"]["output_throughput"] == pytest.approx(1.25)
+    # latency: the better (lower) baseline over VeriCache's
+    assert s["ratio_by_round"]["median_ttft_ms"] == pytest.approx([1.25, 0.5, 1.0])
+    assert s["identical"][plan.VERICACHE] == {"same": 12, "total": 12}
+    assert s["ratio"]["median_tpot_ms"] is None  # not measured: no ratio, no crash
+
+
+def test_a_failed_server_leaves_no_ratio_and_identical_counts_positions() -> None:
+    rnd = _round(100, 120, 150, (1, 1, 1))
+    rnd["servers"][plan.VERICACHE] = {"error": "server start: boom"}
+    assert plan.summarize_cell([rnd])["ratio"]["output_throughput"] is None
+    assert plan.identical(["a", "b", "c"], ["a", "x", "c"]) == {"same": 2, "total": 3}
+    assert plan.identical(["a", "b"], ["a"]) == {"same": 1, "total": 2}
+
+
+def test_the_results_page_section_from_a_report_and_without_one(tmp_path: Path) -> None:
+    from benchmark.results_page import Results
+    from benchmark.results_page_serving import serving
+
+    not_run = serving(Results(tmp_path))[0]
+    assert not_run.startswith("Not yet run: `python benchmark/serving_grid.py`")
+    cells = []
+    for n, c, r in ((1024, 1, 1.1), (1024, 8, 1.3), (4096, 1, 0.9)):
+        summary = plan.summarize_cell([_round(100, 120, 120 * r, (1, 1, 1))])
+        cells.append({"budget": "tight", "dataset": "random-ids", "input_len": n,
+                      "concurrency": c, "summary": summary})
+    report = {"date": "2027-01-02", "command": "python benchmark/serving_grid.py --rounds 1",
+              "cells": cells}
+    (tmp_path / "serving_grid.json").write_text(json.dumps(report))
+    lines = serving(Results(tmp_path))
+    row = next(line for line in lines if line.startswith("| tight |"))
+    assert "1024: 1.10, 1.30; 4096: 0.90" in row
+    assert "100.0 / 120.0 / 108.0 (in 4096, c1)" in row and "| 12/12 |" in row
+    assert "2027-01-02" in row and "`python benchmark/serving_grid.py --rounds 1`" in row
