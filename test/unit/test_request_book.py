@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+from sglang_vericache.requests.table import RequestTable
 from sglang_vericache.verify.draft_length import DraftLengthController
 from sglang_vericache.srt.decode.eligibility import StepRows
 from sglang_vericache.srt.decode.request_book import DEMOTED, OFFLOAD_ONLY, Demotion, RequestBook
@@ -54,8 +55,12 @@ def test_a_demoted_request_is_plain_offloaded_and_drafts_again_once_reinstated()
     book.demote("a", 90)  # a second demotion counts on
     assert book.demotions["a"].count == 2 and book.demotions["a"].at_length == 90
     book.check_integrity()
-    book.keep_only({"x"})
+    table = RequestTable()  # the book forgets only when the request table closes a request
+    table.join(book)
+    table.note_decoding(["a", "b", "x"])
+    assert sorted(table.keep_only({"x"})) == ["a", "b"]
     assert len(book) == 0 and "a" not in book.draft_length.estimates and not book.demotions
+    table.check_integrity()
 
 
 def test_plain_reasons_and_forget() -> None:

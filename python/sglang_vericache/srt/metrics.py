@@ -88,8 +88,12 @@ class VeriCacheExporter:
         self._evicted = gauge("resident_draft_slots_evicted", "Pool slots of resident draft "
                               "rows (compressed KV of requests whose full KV is in the pool) "
                               "that allocations took back since start.")  # fmt: skip
-        self._tracked = gauge("tracked_requests", "Requests whose VeriCache state the worker "
-                              "holds (0 when idle: nothing leaked).")  # fmt: skip
+        self._tracked = gauge("tracked_requests", "Live requests in the scheduler's VeriCache "
+                              "request table (0 when idle: nothing leaked).")  # fmt: skip
+        self._entries = Gauge("vericache:request_entries", "Entries each holder of per-request "
+                              "state keeps (requests/table.py: records, worker, remote prefix "
+                              "link, draft ahead, ...; all 0 when idle).",
+                              labelnames=names + ["table"], multiprocess_mode="mostrecent")
         self._phase_s = counter("step_phase_seconds", "Decode-step seconds by phase (prepare, "
                                 "draft, verify, plain, commit, offload, other).", ("phase",))
         self._phase_steps = counter("step_phase_steps", "Decode steps in which each phase ran.",
@@ -151,9 +155,13 @@ class VeriCacheExporter:
         if tokens:
             self._moved.labels(**self._labels).inc(tokens)
 
-    def set_placement(self, ledger: Any, tracked: int) -> None:
+    def set_placement(self, ledger: Any, tracked: int,
+                      entries: dict[str, int] | None = None) -> None:  # fmt: skip
         """Gauges at the end of a scheduler step: ``ledger`` is the offload ledger
-        (``srt/kv/offload.py``), ``tracked`` the requests whose state the worker holds."""
+        (``srt/kv/offload.py``), ``tracked`` the live requests of the request table, ``entries``
+        its ``entry_counts()`` (per holder of per-request state)."""
+        for table, count in (entries or {}).items():
+            self._entries.labels(table=table, **self._labels).set(count)
         host_kv_tokens = sum(entry.host.length for entry in ledger.rows.values())
         self._host_tokens.labels(**self._labels).set(host_kv_tokens)
         self._reserved.labels(**self._labels).set(ledger.reserved_slots())

@@ -44,7 +44,7 @@ from torch.nn.functional import scaled_dot_product_attention
 from sglang_vericache.compress.attend import group_mask, grouped_sdpa
 from sglang_vericache.ops.cpu_verify_decode import CpuVerifyDecode, load_cpu_verify_decode
 from sglang_vericache.srt.attention.draft_attention import DraftPlan
-from sglang_vericache.srt.kv.offload import ledger_for
+from sglang_vericache.srt.context import open_context
 from sglang_vericache.verify.step_profile import StepClock
 
 if TYPE_CHECKING:
@@ -91,7 +91,7 @@ class VeriCacheAttnBackend(TorchNativeAttnBackend):
         self.draft: DraftPlan | None = None
         self.capture: QueryCapture | None = None
         self.clock: StepClock | None = None  # the worker's profile of the current decode step
-        self.ledger = ledger_for(self.req_to_token_pool)
+        self.ledger = open_context(self.req_to_token_pool).ledger  # the first part built
         # a verify's causal masks, built at its first layer and shared by the others
         self._verify_masks: tuple[ForwardBatch | None, dict[tuple[int, ...], torch.Tensor]] = (
             None, {})  # fmt: skip

@@ -19,8 +19,10 @@ token has gone out (the worker runs it first thing in its next forward).
 
 ``ahead_used`` (drafts made while its prefix was fetched, and how many went to verify) and the
 draft-length controller's acceptance estimate ride along. ``forget`` drops all of it
-(idempotent: a finish and the row's release both call it); ``keep_only`` drops requests that
-left the decode batch (aborted, retracted). Scheduler thread only.
+(idempotent), and only the request table calls it: the book is a participant of the
+scheduler's ``RequestTable`` (``requests/table.py``), whose ``close`` is the one way a request
+ends, whichever way it ended (released: finished, at prefill too, aborted, retracted; aborted
+while queued; gone from the decode batch). Scheduler thread only.
 """
 
 from __future__ import annotations
@@ -113,12 +115,15 @@ class RequestBook:
         plain = self.plain.get(rid)
         return plain is not None and plain.plain_reason in (OFFLOAD_ONLY, DEMOTED)
 
-    def keep_only(self, live: set[str]) -> None:
-        """Forget every request not in ``live`` (the decode batch says who is running)."""
-        for table in (self.states, self.plain, self.draft_length.estimates, self.ahead_used,
-                      self.demotions):  # fmt: skip
-            for rid in [rid for rid in table if rid not in live]:
-                del table[rid]
+    # -- its part in the request table (requests/table.py) ------------------------------------
+
+    participant_name = "worker"
+
+    def tracked_rids(self) -> set[str]:
+        """Every request any of the book's tables (and the acceptance estimates) holds."""
+        return (self.states.keys() | self.plain.keys() | self.ahead_used.keys()
+                | self.after_prefill.keys() | self.demotions.keys()
+                | self.draft_length.estimates.keys())  # fmt: skip
 
     def forget(self, rid: str) -> None:
         self.after_prefill.pop(rid, None)  # finished at prefill, or aborted before its next step

@@ -58,7 +58,9 @@ from sglang_vericache.srt.decode.batch_inputs import (
     spec_result,
 )
 from sglang_vericache.srt.decode.decode_steps import DecodeSteps
-from sglang_vericache.srt.prefix.draft_ahead import DraftAhead, draft_ahead_of
+from sglang_vericache.requests.table import RequestTable
+from sglang_vericache.srt.context import context_of
+from sglang_vericache.srt.prefix.draft_ahead import DraftAhead
 from sglang_vericache.verify.draft_length import DraftLengthController
 from sglang_vericache.srt.attention.draft_precision import DraftPrecision, choose_draft_format
 from sglang_vericache.srt.kv.draft_state import RequestDraftState
@@ -69,9 +71,8 @@ from sglang_vericache.srt.decode.eligibility import (
 )
 from sglang_vericache.srt.kv.full_kv_stage import FullKVStager
 from sglang_vericache.srt.metrics import VeriCacheExporter, request_meta_info
-from sglang_vericache.srt.kv.offloader import PoolOffloader
+from sglang_vericache.srt.kv.offloader import PoolOffloader, shared_offloader
 from sglang_vericache.srt.hooks.patches import publish_meta_info
-from sglang_vericache.srt.prefix.remote_prefix import link_for
 from sglang_vericache.srt.decode.request_book import RequestBook
 from sglang_vericache.verify.stats import DecodeMode
 from sglang_vericache.verify.step_profile import Phase, StepClock
@@ -95,6 +96,7 @@ class VeriCacheWorker(DecodeSteps, BaseSpecWorker):
         self.speculative_num_draft_tokens = int(server_args.speculative_num_draft_tokens)
         self.num_layers = self.model_runner.model_config.num_hidden_layers
         self._offloader: PoolOffloader | None = None
+        self._requests: RequestTable | None = None
         self._stager: FullKVStager | None = None
         self._ahead: DraftAhead | None = None
         self.clock = StepClock()  # where each decode step's time goes (metrics, step profile)
@@ -168,16 +170,25 @@ class VeriCacheWorker(DecodeSteps, BaseSpecWorker):
 
     @property
     def offloader(self) -> PoolOffloader:
-        """Moves committed full KV to host memory (the pools exist only after init)."""
+        """Moves committed full KV to host memory: the scheduler's one offloader, shared with
+        the prefix cache (the pools exist only after init)."""
         if self._offloader is None:
             runner = self.model_runner
-            self._offloader = PoolOffloader(
+            self._offloader = shared_offloader(
                 runner.token_to_kv_pool, runner.req_to_token_pool,
                 runner.token_to_kv_pool_allocator, self.num_layers,
             )  # fmt: skip
-            # also requests that finish at prefill, which SGLang never reports as finished
-            self._offloader.ledger.release_listeners.append(self._forget)
         return self._offloader
+
+    @property
+    def requests(self) -> RequestTable:
+        """The scheduler's request table: the book is told through it when a request closes
+        (released, aborted while queued, gone from the decode batch), never directly."""
+        if self._requests is None:
+            self._requests = context_of(self.model_runner.req_to_token_pool).requests
+            self._requests.join(self.book)
+            self._requests.after_close.append(self._publish_placement)
+        return self._requests
 
     @property
     def stager(self) -> FullKVStager:
@@ -193,7 +204,7 @@ class VeriCacheWorker(DecodeSteps, BaseSpecWorker):
         """Drafting while a remote prefix is fetched (made by the prefix cache where a remote
         tier and fetch drafting are on); attached to the model on first use."""
         if self._ahead is None:
-            self._ahead = draft_ahead_of(self.model_runner.req_to_token_pool)
+            self._ahead = context_of(self.model_runner.req_to_token_pool).ahead
             if self._ahead is not None:
                 self._ahead.attach(self.model_runner.model)
         return self._ahead
@@ -226,8 +237,10 @@ class VeriCacheWorker(DecodeSteps, BaseSpecWorker):
         if self.ahead is not None:
             self.ahead.serving_busy()  # drafting ahead takes only idle compute (draft_ahead.py)
         self._settle_prefills()  # the last prefill's first tokens are out by now
-        if batch.forward_mode.is_decode():  # who left the batch (aborted, retracted) is gone;
-            self.book.keep_only({r.rid for r in batch.reqs})  # finished ones leave on release
+        if batch.forward_mode.is_decode():  # who left the batch without a release is gone
+            live = {r.rid for r in batch.reqs}
+            self.requests.keep_only(live)
+            self.requests.note_decoding(live)
         if batch.forward_mode.is_extend():
             result = self._as_prefill_work(lambda: self._prefill(batch, pp_proxy_tensors))
         else:
@@ -247,18 +260,15 @@ class VeriCacheWorker(DecodeSteps, BaseSpecWorker):
 
     def _publish_placement(self) -> None:
         if self.metrics is not None:
-            self.metrics.set_placement(self.offloader.ledger, len(self.book))
+            self.metrics.set_placement(self.offloader.ledger, len(self.requests),
+                                       self.requests.entry_counts())  # fmt: skip
 
     def note_request_finished(self, *, rid: str, natural_stop: bool) -> None:
+        """Its compressed KV goes to drafting ahead for the next turn; the rest of its state
+        goes when SGLang releases its row, right after (``RequestTable.close``)."""
         state = self.states.pop(rid, None)
         if state is not None and self.ahead is not None:
             self.ahead.park(rid, state)  # the prefix cache keeps it for the next turn
-        self._forget(rid)
-
-    def _forget(self, rid: str) -> None:
-        """Drop everything held for ``rid`` (idempotent: finish, then release, both call it)."""
-        self.book.forget(rid)
-        self._publish_placement()
 
     def _result(self, batch, next_token_ids, accept_lens, new_seq_lens, logits_output):
         width = self.speculative_num_draft_tokens
@@ -281,12 +291,13 @@ class VeriCacheWorker(DecodeSteps, BaseSpecWorker):
         finally:
             capture, self.attn.capture = self.attn.capture, None
         self._lap(Phase.PREFILL)
-        link = link_for(self.model_runner.req_to_token_pool)
+        link = context_of(self.model_runner.req_to_token_pool).link
         if link is not None:  # the tier link weighs fetching a prefix against recomputing it
             link.observe_prefill(int(batch.extend_num_tokens or 0), time.perf_counter() - started)
         seq_lens = batch.seq_lens_cpu.tolist()
         rows = batch.req_pool_indices.tolist()
         for i, req in enumerate(batch.reqs):
+            self.requests.bind_row(req.rid, rows[i])  # its record, closed on its release
             if self.ahead is not None and req.rid in self.ahead.jobs:
                 # admitted: its full KV is here; the drafts made meanwhile feed the first steps
                 self.book.ahead_used[req.rid] = [self.ahead.halt(req.rid), 0]

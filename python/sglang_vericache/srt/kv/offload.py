@@ -19,8 +19,8 @@ a drafted row's slots go to the prefix tree instead (``PrefixTreeHooks``): evict
 cached node, and a hit for the requests that share the prompt while this one decodes.
 
 Ownership: the ledger is shared by the worker (which offloads) and the ``vericache`` prefix
-cache (which restores or drops a row when SGLang releases it); both find it through the
-request-to-token pool they share (``ledger_for``). Everything runs on the scheduler thread.
+cache (which restores or drops a row when SGLang releases it), through the one ``PoolOffloader``
+of their scheduler's context (``srt/context.py``). Everything runs on the scheduler thread.
 """
 
 from __future__ import annotations
@@ -46,9 +46,6 @@ PRESIZE_MAX = 4096
 # Row entries of offloaded positions point here. SGLang never hands out slot 0 (it takes the
 # padding writes), and attention never reads these entries: the ledger serves the range.
 PLACEHOLDER_SLOT = 0
-
-_LEDGER_ATTR = "_vericache_offload_ledger"
-
 
 class HostKV:
     """A growable host buffer of one request's full KV: [L, 2, H_kv, capacity, D].
@@ -177,9 +174,6 @@ class OffloadLedger:
         # (request id, prompt tokens, slots asked) of each request still waiting when an attempt
         # lacked, in queue order: the first lacked ``admission_deficit``, the others queue behind
         self.waiting_asks: list[tuple[str, int, int]] = []
-        # Called with a request id when SGLang releases the request's KV (finished at prefill
-        # or decode, aborted, retracted): the end of its life, which the worker needs too.
-        self.release_listeners: list[Callable[[str], None]] = []
         # The work finished prefills left for after their first tokens (compress, offload),
         # which gives pool slots back; set by the worker when it queues such work. Admission
         # runs it before it counts free slots (``srt/kv/admission.py``), so a waiting request
@@ -189,9 +183,20 @@ class OffloadLedger:
         # what a drafted row's pool slots become when its full KV moves to the host.
         self.tree: PrefixTreeHooks | None = None
 
-    def request_released(self, rid: str) -> None:
-        for listener in self.release_listeners:
-            listener(rid)
+    # -- its part in the request table (requests/table.py) ------------------------------------
+
+    participant_name = "offload ledger"
+
+    def forget(self, rid: str) -> None:
+        """``rid`` closed: its admission ask goes (the next attempt would drop it too)."""
+        self.waiting_asks = [ask for ask in self.waiting_asks if ask[0] != rid]
+
+    def tracked_rids(self) -> set[str]:
+        return {ask[0] for ask in self.waiting_asks}
+
+    def held_rows(self) -> set[int]:
+        """Pool rows with a host range or a draft row (freed when SGLang releases the row)."""
+        return set(self.rows) | set(self.draft_rows)
 
     def span(self, row: int) -> OffloadedRow | None:
         return self.rows.get(row)
@@ -307,15 +312,6 @@ def write_pool_all_layers(pool: Any, slots: Tensor, kv: Tensor) -> None:
         dst_k, dst_v = pool.get_key_buffer(layer), pool.get_value_buffer(layer)
         dst_k[slots] = kv[layer, 0].transpose(0, 1).to(dst_k.device, dst_k.dtype)
         dst_v[slots] = kv[layer, 1].transpose(0, 1).to(dst_v.device, dst_v.dtype)
-
-
-def ledger_for(req_to_token_pool: Any) -> OffloadLedger:
-    """The ledger shared by everything that uses ``req_to_token_pool`` (created on first use)."""
-    ledger = getattr(req_to_token_pool, _LEDGER_ATTR, None)
-    if ledger is None:
-        ledger = OffloadLedger()
-        setattr(req_to_token_pool, _LEDGER_ATTR, ledger)
-    return ledger
 
 
 def slot_bytes(pool: Any, num_layers: int) -> int:

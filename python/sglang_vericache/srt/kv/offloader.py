@@ -2,7 +2,8 @@
 and holds an offloaded drafted row's compressed KV in pool slots (``srt/kv/draft_rows.py``).
 
 The worker calls ``offload`` after a request's prefill and after each commit; the ``vericache``
-prefix cache calls ``restore`` / ``drop`` when SGLang releases the request's row. All slot
+prefix cache calls ``restore`` / ``drop`` when SGLang releases the request's row. Both use the
+same offloader (``shared_offloader``: one per scheduler, in its ``srt/context.py`` context). All slot
 arithmetic is page-aligned, so paged allocators free whole pages::
 
     page_size = 4, tree-owned prefix 6, committed 23:
@@ -22,6 +23,7 @@ import torch
 from torch import Tensor
 
 from sglang_vericache.compress.layer_cache import GROW_MIN
+from sglang_vericache.srt.context import open_context
 from sglang_vericache.srt.kv.draft_rows import DraftRow
 from sglang_vericache.srt.decode.eligibility import tokens_left
 from sglang_vericache.srt.kv.offload import (
@@ -31,7 +33,6 @@ from sglang_vericache.srt.kv.offload import (
     TAIL_CHUNK,
     HostKV,
     OffloadLedger,
-    ledger_for,
     read_pool_kv,
     slot_bytes,
     write_pool_all_layers,
@@ -48,17 +49,34 @@ class OffloadResult:
     reserved: int = 0
 
 
+def shared_offloader(pool: Any, req_to_token_pool: Any, allocator: Any,
+                     num_layers: int) -> "PoolOffloader":  # fmt: skip
+    """The one ``PoolOffloader`` of the scheduler owning ``req_to_token_pool`` (its context's,
+    made on the first call): the prefix cache and the worker both move and free rows through it."""
+    context = open_context(req_to_token_pool)
+    offloader = context.offloader
+    if offloader is None:
+        offloader = context.offloader = PoolOffloader(pool, req_to_token_pool, allocator,
+                                                      num_layers)  # fmt: skip
+    elif offloader.pool is not pool or offloader.allocator is not allocator:
+        raise ValueError("one req_to_token pool, two KV pools or allocators: VeriCache's offload "
+                         "ledger would describe slots of the wrong pool")
+    return offloader
+
+
 class PoolOffloader:
-    """Offload / restore / drop rows of one SGLang pool (see module doc).
+    """Offload / restore / drop rows of one SGLang pool (see module doc). Built through
+    ``shared_offloader`` in a server: one per scheduler.
 
     pool: token-to-KV pool (``get_key_buffer(layer)`` [slots, H_kv, D]); table: req_to_token
     [rows, max_len] int32; allocator: SGLang token allocator (``alloc``/``free``/``page_size``).
+    Its ledger is the pool's (``srt/context.py``).
     """
 
     def __init__(self, pool: Any, req_to_token_pool: Any, allocator: Any, num_layers: int):
         self.pool, self.allocator, self.num_layers = pool, allocator, num_layers
         self.table: Tensor = req_to_token_pool.req_to_token
-        self.ledger: OffloadLedger = ledger_for(req_to_token_pool)
+        self.ledger: OffloadLedger = open_context(req_to_token_pool).ledger
         self.page = int(getattr(allocator, "page_size", 1))
         self.slot_bytes = slot_bytes(pool, num_layers)
         self.reserve_shortfall = 0  # slots the compressed KV needed but the pool lacked

@@ -186,6 +186,11 @@ class DraftAhead:
         job.stop.set()
         return len(job.drafts)
 
+    participant_name = "draft ahead"  # in the request table (requests/table.py)
+
+    def tracked_rids(self) -> set[str]:
+        return set(self.finished) | set(self.jobs) | self._declined
+
     def forget(self, rid: str) -> None:
         self.finished.pop(rid, None)
         self._declined.discard(rid)
@@ -251,15 +256,6 @@ class DraftAhead:
             if len(job.drafts) >= job.max_tokens or not self._wait_idle(job):
                 return
             token = int(self.drafter.step(token, kv).argmax())
-
-
-AHEAD_ATTR = "_vericache_draft_ahead"  # where the prefix cache publishes it on req_to_token_pool
-
-
-def draft_ahead_of(req_to_token_pool: Any) -> DraftAhead | None:
-    """The ``DraftAhead`` the prefix cache of this scheduler made (``srt/prefix/radix_cache.py``), for
-    the worker; None without one (no remote tier, fetch drafting off, no vericache tree)."""
-    return getattr(req_to_token_pool, AHEAD_ATTR, None)
 
 
 def batch_proposals(ahead: DraftAhead | None, reqs: Sequence[Any], most: int,

@@ -25,7 +25,8 @@ Every change, to the same identity too, also moves ``ServedWeights.generation`` 
 computed under one generation is never filed under another (``srt/prefix/tier_eligibility.py``). The
 hooks wrap the calls (AROUND) so that an update that raises moves it as well. They are
 registered with SGLang's HookRegistry (applied by SGLang after plugins load), like every other
-hook of this package, and find a scheduler's ``ServedWeights`` on its ``req_to_token_pool``.
+hook of this package, and find a scheduler's ``ServedWeights`` in its context
+(``srt/context.py``).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from sglang_vericache.srt.context import context_of, has_context, open_context
 from sglang_vericache.tier.geometry import KVGeometry
 from sglang_vericache.tier.identity import ModelIdentity, canonical_json
 
@@ -52,7 +54,6 @@ UNNAMED_WEIGHT_CHANGES = (
     "update_weights_from_tensor", "update_weights_from_distributed", "update_weights_from_ipc",
     "begin_weight_update", "end_weight_update", "resume_memory_occupation",
 )
-SERVED_WEIGHTS_ATTR = "_vericache_served_weights"  # on a scheduler's req_to_token_pool
 # ServerArgs fields that change the model's numbers beyond weights, config and dtype. Unset
 # values (None, "", "auto", "{}") are left out, so two servers started alike hash alike.
 # (SGLang's --weight-version is a label, not content: the weights digest names the weights.)
@@ -76,7 +77,8 @@ class ServedWeights:
         self.generation = 0
 
     def attach(self, req_to_token_pool: Any) -> None:
-        setattr(req_to_token_pool, SERVED_WEIGHTS_ATTR, self)
+        """Where the weight-update hooks find it: the scheduler's context (``srt/context.py``)."""
+        open_context(req_to_token_pool).served = self
 
     def loaded_from_disk(self, model_path: str, load_format: str | None) -> None:
         self._move_to(checkpoint_identity(self.identity, model_path, load_format),
@@ -115,7 +117,8 @@ def served_weights_of(model_runner: Any) -> ServedWeights | None:
     remote tier, or for a draft model's runner: its weights are not the KV's)."""
     if model_runner is None or getattr(model_runner, "is_draft_worker", False):
         return None
-    return getattr(getattr(model_runner, "req_to_token_pool", None), SERVED_WEIGHTS_ATTR, None)
+    pool = getattr(model_runner, "req_to_token_pool", None)
+    return context_of(pool).served if has_context(pool) else None
 
 
 def _around_disk_load(original: Callable[..., Any], updater: Any, model_path: str,

@@ -51,11 +51,13 @@ from sglang.srt.mem_cache.base_prefix_cache import (
 )
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
 
-from sglang_vericache.srt.prefix.draft_ahead import AHEAD_ATTR, DraftAhead
+from sglang_vericache.requests.record import RequestEnd
+from sglang_vericache.srt.context import open_context
+from sglang_vericache.srt.prefix.draft_ahead import DraftAhead
 from sglang_vericache.srt.metrics import TierLinkExporter
 from sglang_vericache.srt.kv.offload import write_pool_all_layers
-from sglang_vericache.srt.kv.offloader import PoolOffloader
-from sglang_vericache.srt.prefix.remote_prefix import LINK_ATTR, RemotePrefixLink
+from sglang_vericache.srt.kv.offloader import shared_offloader
+from sglang_vericache.srt.prefix.remote_prefix import RemotePrefixLink
 from sglang_vericache.srt.prefix.tier_eligibility import TierEligibility, open_remote
 from sglang_vericache.server_record import vericache_config
 from sglang_vericache.tier.demoted import DemotedPrefixes
@@ -73,22 +75,25 @@ class VeriCacheRadixCache(RadixCache):
                  tier_metrics: TierLinkExporter | None = None,
                  eligibility: TierEligibility | None = None) -> None:  # fmt: skip
         allocator = params.token_to_kv_pool_allocator
-        self.offloader = PoolOffloader(
+        context = open_context(params.req_to_token_pool)  # shared with the worker
+        self.requests = context.requests  # every request's one close path (on_release, ...)
+        self.offloader = shared_offloader(
             allocator.get_kvcache(), params.req_to_token_pool, allocator, num_layers
         )  # before super().__init__, which calls reset()
         self.restore_failures = 0
         self.verify_width = verify_width  # pool slots one verification writes per request
-        self.remote = remote
+        self.remote = context.link = remote  # the worker reports prefill speed to it
         self.eligibility = eligibility or TierEligibility()  # weights fixed unless given
-        if remote is not None:  # the worker finds it there to report prefill speed
-            setattr(params.req_to_token_pool, LINK_ATTR, remote)
         self.tier_metrics = tier_metrics
         # DEMOTED prefixes and drafts made while fetching (remote tiers only); the worker
-        # finds them on the req_to_token pool.
+        # finds them in the context.
         self.ahead: DraftAhead | None = None
         if remote is not None and fetch_drafting:
             self.ahead = DraftAhead(DemotedPrefixes(self))
-            setattr(params.req_to_token_pool, AHEAD_ATTR, self.ahead)
+        context.ahead = self.ahead
+        for participant in (remote, self.eligibility, self.ahead):
+            if participant is not None:
+                self.requests.join(participant)
         self.freed_seen = 0  # ledger.freed_slots when admission last reopened (admission.py)
         super().__init__(params)
         self.offloader.ledger.tree = self  # PrefixTreeHooks: adopt, evict_cached, cached_tokens
@@ -243,14 +248,18 @@ class VeriCacheRadixCache(RadixCache):
         super().free_kv_row(kv, self.offloader.owned_ranges(kv.req_pool_idx, ranges))
 
     def on_release(self, req: Any, *, checkpointed: bool) -> None:
+        """Every end of a request that held a row (finished, at prefill too; aborted; retracted):
+        its row's host range and draft row go, then its record closes (``RequestTable.close``
+        tells the worker, the tier link, drafting ahead, the eligibility stamps)."""
         self.offloader.drop(req.kv.req_pool_idx)
-        self.offloader.ledger.request_released(req.rid)
-        if self.remote is not None:
-            self.remote.forget(req.rid)
-            self.eligibility.forget(req.rid)
-        if self.ahead is not None:
-            self.ahead.forget(req.rid)
+        self.requests.close(req.rid, RequestEnd.RELEASED)
         super().on_release(req, checkpointed=checkpointed)
+
+    def release_aborted_request(self, handle: Any) -> None:
+        """SGLang aborted a request before it held a row (queued; the queue was full; ...):
+        its lookup, fetch claims and drafting ahead go with its record."""
+        self.requests.close(handle.rid, RequestEnd.ABORTED_QUEUED)
+        super().release_aborted_request(handle)
 
     # -- the remote tier -------------------------------------------------------------------
 
@@ -269,6 +278,7 @@ class VeriCacheRadixCache(RadixCache):
         req = params.req
         if self.remote is None or req is None or not self.eligibility.matched(req):
             return result
+        self.requests.open(req.rid)  # the link keeps its lookup until the request closes
         hit = self.remote.probe(req.rid, params.key.raw_token_ids(), result.device_prefix_len)
         self._observe_tier()
         hit = hit // self.page_size * self.page_size  # init_load_back loads whole pages only

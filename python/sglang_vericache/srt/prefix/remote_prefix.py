@@ -57,13 +57,6 @@ logger = logging.getLogger(__name__)
 
 STORED_KEYS_REMEMBERED = 65536  # digests known to be in the tier (skips re-sending a prefix)
 EXPLORE_EVERY = 16  # one in this many fetches judged slower than recomputing is made anyway
-LINK_ATTR = "_vericache_remote_link"  # where link_for finds a scheduler's link
-
-
-def link_for(req_to_token_pool: object) -> "RemotePrefixLink | None":
-    """The tier link of the prefix cache that shares ``req_to_token_pool`` with the worker
-    (the worker reports this server's prefill speed to it), None without a remote tier."""
-    return getattr(req_to_token_pool, LINK_ATTR, None)
 
 
 class RemotePrefixLink:
@@ -168,6 +161,12 @@ class RemotePrefixLink:
         """Whether ``rid``'s lookup or fetch is still running (as of the latest ``probe``)."""
         state = self.pending.get(rid)
         return state is not None and state.phase in (PrefixPhase.LOOKUP, PrefixPhase.FETCH)
+
+    participant_name = "remote prefix link"  # in the request table (requests/table.py)
+
+    def tracked_rids(self) -> set[str]:
+        """Requests with a lookup or fetch in any phase, or fetch claims."""
+        return set(self.pending) | self.fetches.claimants()
 
     def forget(self, rid: str) -> None:
         """Drop ``rid``'s state in any phase (its one way out): cancel its lookup, free claims."""

@@ -78,6 +78,11 @@ class TierEligibility:
         """Whether ``req``'s KV was all computed by the weights served now."""
         return self._stamps.get(req.rid) == self.generation()
 
+    participant_name = "tier eligibility"  # in the request table (requests/table.py)
+
+    def tracked_rids(self) -> set[str]:
+        return set(self._stamps)
+
     def forget(self, rid: str) -> None:
         self._stamps.pop(rid, None)
 
