@@ -212,7 +212,8 @@ def test_admin_requests_that_killed_the_scheduler_are_refused(
 
 
 def tracked_when_idle(server, timeout: float = 60.0) -> float:
-    """``vericache:tracked_requests`` once the server has no running request."""
+    """``vericache:tracked_requests`` plus every ``vericache:request_entries`` sample once the
+    server has no running request."""
     deadline = time.monotonic() + timeout
     value = -1.0
     while time.monotonic() < deadline:
@@ -220,8 +221,9 @@ def tracked_when_idle(server, timeout: float = 60.0) -> float:
             lines = resp.read().decode().splitlines()
         running = sum(float(line.rsplit(" ", 1)[1]) for line in lines
                       if line.startswith("sglang:num_running_reqs"))  # fmt: skip
-        value = sum(float(line.rsplit(" ", 1)[1]) for line in lines
-                    if line.startswith("vericache:tracked_requests"))  # fmt: skip
+        value = sum(float(line.rsplit(" ", 1)[1]) for line in lines  # and each holder's
+                    if line.startswith(("vericache:tracked_requests",  # entries (requests/)
+                                        "vericache:request_entries")))  # fmt: skip
         if running == 0 and value == 0:
             return value
         time.sleep(1.0)

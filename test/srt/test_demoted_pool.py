@@ -128,7 +128,6 @@ def test_a_finished_turn_comes_back_full_evicting_older_cached_nodes_with_a_tier
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
     from sglang.srt.mem_cache.radix_cache import RadixKey
 
-    from sglang_vericache.srt.kv.offloader import PoolOffloader
     from sglang_vericache.srt.prefix.radix_cache import VeriCacheRadixCache
     from sglang_vericache.srt.prefix.remote_prefix import RemotePrefixLink
     from sglang_vericache.tier.geometry import KVGeometry
@@ -141,7 +140,7 @@ def test_a_finished_turn_comes_back_full_evicting_older_cached_nodes_with_a_tier
     params = CacheInitParams(disable=False, req_to_token_pool=rows,
                              token_to_kv_pool_allocator=alloc, page_size=1)  # fmt: skip
     tree = VeriCacheRadixCache(params, LAYERS, verify_width=5, remote=link, fetch_drafting=False)
-    worker = PoolOffloader(kv, rows, alloc, LAYERS)
+    worker = tree.offloader  # the scheduler's one offloader, the worker's too
     total = alloc.available_size()
 
     turn = list(range(3000, 3040))  # a conversation's turn, decoded from its host copy
@@ -174,6 +173,9 @@ def test_a_finished_turn_comes_back_full_evicting_older_cached_nodes_with_a_tier
     alloc.free(hog)
     tree.evict(EvictParams(num_tokens=SLOTS))
     assert alloc.available_size() == total
+    requests = tree.requests  # the release closed the turn's record: nothing held for it
+    requests.check_integrity()
+    assert set(requests.entry_counts().values()) == {0}, requests.entry_counts()
     link.close()
 
 

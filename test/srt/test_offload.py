@@ -276,18 +276,20 @@ def test_pressure_counts_cached_prefixes_as_room_and_offloads_rows_whole() -> No
 
 
 def _with_tree(page_size: int):
-    """``_pools`` plus the ``vericache`` prefix tree over them and a worker-side offloader,
-    which finds the tree through the ledger they share."""
+    """``_pools`` plus the ``vericache`` prefix tree over them and the scheduler's one offloader
+    (the worker's and the tree's: ``shared_offloader``), which finds the tree through its
+    ledger."""
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 
-    from sglang_vericache.srt.kv.offloader import PoolOffloader
+    from sglang_vericache.srt.kv.offloader import shared_offloader
     from sglang_vericache.srt.prefix.radix_cache import VeriCacheRadixCache
 
     kv, rows, alloc = _pools(page_size)
     params = CacheInitParams(disable=False, req_to_token_pool=rows,
                              token_to_kv_pool_allocator=alloc, page_size=page_size)  # fmt: skip
     tree = VeriCacheRadixCache(params, LAYERS, verify_width=5)
-    return kv, rows, alloc, tree, PoolOffloader(kv, rows, alloc, LAYERS)
+    assert shared_offloader(kv, rows, alloc, LAYERS) is tree.offloader
+    return kv, rows, alloc, tree, tree.offloader
 
 
 def _tree_slots(tree, tokens: list[int]) -> torch.Tensor:
