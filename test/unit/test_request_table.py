@@ -69,12 +69,15 @@ def test_close_tells_every_participant_drops_the_record_and_its_row() -> None:
 
 def test_close_is_idempotent_and_tells_participants_even_without_a_record() -> None:
     table, (worker,) = _table("worker")
+    closed: list[str] = []
+    table.after_close.append(lambda: closed.append("x"))
     table.open("a")
     assert table.close("a", RequestEnd.RELEASED)
     assert not table.close("a", RequestEnd.RELEASED)  # again: nothing live, still told
     worker.entries["q"] = 1  # an entry for a request that never got a record (queued)
     assert not table.close("q", RequestEnd.ABORTED_QUEUED)
     assert worker.forgotten == ["a", "a", "q"] and not worker.entries
+    assert len(closed) == 3  # listeners hear every close (an entry may have gone)
     assert table.ended("q") is RequestEnd.ABORTED_QUEUED
     table.check_integrity()
 

@@ -63,7 +63,8 @@ class RequestTable:
         self.last_conflict: tuple[int, str, str] | None = None  # (row, live holder, new request)
         self._participants: list[RequestParticipant] = []
         self._row_holders: list[RowHolder] = []
-        # called after each close that dropped a record (the worker republishes its gauges)
+        # called after each close (the worker republishes its gauges: the server may be idle
+        # from now on, with no forward left to publish them)
         self.after_close: list[Callable[[], None]] = []
 
     # -- membership ---------------------------------------------------------------------------
@@ -153,9 +154,8 @@ class RequestTable:
         self._closed[rid] = end
         while len(self._closed) > CLOSED_REMEMBERED:
             self._closed.popitem(last=False)
-        if record is not None:
-            for listener in self.after_close:
-                listener()
+        for listener in self.after_close:  # also without a record: an entry may have gone
+            listener()
         return record is not None
 
     def keep_only(self, live: set[str]) -> list[str]:
