@@ -14,20 +14,31 @@ sys.path.insert(0, str(REPO))
 
 from benchmark import serving_grid_plan as plan
 
-# One line of the harness's --output-file (sglang 0.5.23, random-ids, --output-details), with
-# server_info and the per-request lists cut short.
-SAMPLE_LINE = json.dumps({
-    "tag": None, "backend": "sglang", "dataset_name": "random-ids", "request_rate": "inf",
-    "max_concurrency": 4, "random_input_len": 1024, "random_output_len": 32, "server_info": {},
-    "duration": 9.81, "completed": 4, "total_input_tokens": 4096, "total_output_tokens": 128,
-    "request_throughput": 0.41, "input_throughput": 417.6, "output_throughput": 13.05,
-    "total_throughput": 430.6, "median_e2e_latency_ms": 9602.0, "p90_e2e_latency_ms": 9790.0,
-    "median_ttft_ms": 5120.5, "p90_ttft_ms": 6001.0, "median_tpot_ms": 140.2, "p90_tpot_ms": 150.9,
-    "median_itl_ms": 139.0, "p90_itl_ms": 160.0, "concurrency": 3.9, "accept_length": None,
-    "max_output_tokens_per_s": 28.0, "max_concurrent_requests": 4,
-    "input_lens": [1024] * 4, "output_lens": [32] * 4, "generated_texts": ["a", "b", "c", "d"],
-    "errors": ["", "", "", ""],
-})  # fmt: skip
+# One line of the harness's --output-file, recorded (sglang 0.5.23, random-ids, 4 prompts x 32
+# tokens, concurrency 1, --output-details, 2 loaded CPU cores; its JSON as written, Infinity
+# included): server_info emptied, itls dropped, floats rounded.
+SAMPLE_LINE = (
+    '{"tag": null, "backend": "sglang", "dataset_name": "random-ids", "request_rate": Infinity, "'
+    'max_concurrency": 1, "sharegpt_output_len": null, "random_input_len": 1024, "random_output_l'
+    'en": 32, "random_range_ratio": 1.0, "server_info": {}, "duration": 134.608, "completed": 4, '
+    '"total_input_tokens": 4096, "total_input_text_tokens": 4096, "total_input_vision_tokens": 0,'
+    ' "total_output_tokens": 128, "total_output_tokens_retokenized": 127, "request_throughput": 0'
+    '.03, "input_throughput": 30.429, "output_throughput": 0.951, "total_throughput": 31.38, "mea'
+    'n_e2e_latency_ms": 33636.5, "median_e2e_latency_ms": 34014.906, "std_e2e_latency_ms": 1318.5'
+    '25, "p90_e2e_latency_ms": 34754.458, "p95_e2e_latency_ms": 34898.783, "p99_e2e_latency_ms": '
+    '35014.244, "mean_ttft_ms": 23302.024, "median_ttft_ms": 22619.499, "std_ttft_ms": 2625.056, '
+    '"p90_ttft_ms": 26089.861, "p95_ttft_ms": 26829.537, "p99_ttft_ms": 27421.277, "mean_tpot_ms"'
+    ': 333.37, "median_tpot_ms": 343.181, "std_tpot_ms": 93.396, "p90_tpot_ms": 429.335, "p95_tpo'
+    't_ms": 435.33, "p99_tpot_ms": 440.125, "mean_itl_ms": 333.369, "median_itl_ms": 176.718, "st'
+    'd_itl_ms": 311.899, "p90_itl_ms": 784.998, "p95_itl_ms": 941.868, "p99_itl_ms": 1297.326, "c'
+    'oncurrency": 1.0, "accept_length": null, "max_output_tokens_per_s": 9.0, "max_concurrent_req'
+    'uests": 2, "input_lens": [1024, 1024, 1024, 1024], "output_lens": [32, 32, 32, 32], "ttfts":'
+    ' [27.569, 20.4, 22.601, 22.638], "generated_texts": ["s\\n\\nWhat is the language of the text?'
+    '\\n\\nThe text is in English. I need to translate it into the language of the target audience.'
+    '", " eSpectraSpectraSpectraSpectraSpectraSpectraSpectraSpectraSpectraSpectraS", "e olde e e '
+    'e e e e e e e e e e e e e e e e e e e e e e e e e e e", "asson Exadam 1111111111111111111111'
+    '1111"], "errors": ["", "", "", ""]}'
+)
 
 
 def test_the_grid_groups_cells_by_budget_and_input_length() -> None:
@@ -87,12 +98,13 @@ def test_custom_jsonl_is_the_harness_format() -> None:
 
 def test_parsing_a_recorded_harness_line(tmp_path: Path) -> None:
     metrics, texts = plan.parse_harness_line(SAMPLE_LINE)
-    assert metrics["output_throughput"] == 13.05 and metrics["median_ttft_ms"] == 5120.5
-    assert metrics["max_output_tokens_per_s"] == 28.0 and metrics["completed"] == 4
-    assert metrics["errors"] == 0 and texts == ["a", "b", "c", "d"]
+    assert metrics["output_throughput"] == 0.951 and metrics["median_ttft_ms"] == 22619.499
+    assert metrics["max_output_tokens_per_s"] == 9.0 and metrics["completed"] == 4
+    assert metrics["median_tpot_ms"] == 343.181 and metrics["p90_tpot_ms"] == 429.335
+    assert metrics["errors"] == 0 and len(texts) == 4 and texts[1].startswith(" eSpectra")
     path = tmp_path / "out.jsonl"
-    path.write_text(SAMPLE_LINE.replace("13.05", "1.0") + "\n" + SAMPLE_LINE + "\n")
-    assert plan.parse_harness_file(path)[0]["output_throughput"] == 13.05  # the last line
+    path.write_text(SAMPLE_LINE.replace("0.951", "7.5") + "\n" + SAMPLE_LINE + "\n")
+    assert plan.parse_harness_file(path)[0]["output_throughput"] == 0.951  # the last line
     (tmp_path / "empty.jsonl").write_text("")
     with pytest.raises(ValueError):
         plan.parse_harness_file(tmp_path / "empty.jsonl")
