@@ -125,8 +125,9 @@ def run_target(target: SoakTarget, cases: Any, *, minutes: float, sample_every_s
         row = sample(target, (time.monotonic() - start) / 60.0, stats)
         target.samples.append(row)
         log(f"[{target.name}] minute {row['minute']:.1f}: {stats['requests']} requests, "
-            f"{stats['failed']} failed, median {stats['median_s']} s, rss "
-            f"{row.get('rss_bytes', 0) / 2**20:.0f} MiB, fds {row.get('fds')}, idle pool "
+            f"{stats['failed']} failed, median {stats['median_s']} s, memory "
+            f"{row.get('memory_bytes', 0) / 2**20:.0f} MiB (rss "
+            f"{row.get('rss_bytes', 0) / 2**20:.0f}), fds {row.get('fds')}, idle pool "
             f"{row.get('idle_used_tokens')} tokens")  # fmt: skip
 
 
@@ -210,13 +211,14 @@ def ok(report: dict[str, Any]) -> bool:
 def markdown(report: dict[str, Any], command: str) -> str:
     lines = [f"Soak: `{command}` ({time.strftime('%Y-%m-%d')}; {report['wall_s']:.0f} s wall, "
              f"concurrency {report['concurrency']} per server, seed {report['seed']}).", "",
-             "| server | requests | failed | alive | RSS first -> last (MiB) | RSS slope (MiB/h) "
+             "| server | requests | failed | alive | memory (RSS + swap) first -> last (MiB) "
+             "| memory slope (MiB/h) "
              "| fds first -> last | fd slope (/h) | idle pool tokens first -> last | tier bytes "
              "in flight (idle, last) | median s, first -> last window |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for name, s in report["servers"].items():
         tr = s["trends"]
-        rss, fds, pool = tr.get("rss_bytes", {}), tr.get("fds", {}), tr.get("idle_used_tokens", {})
+        rss, fds, pool = tr.get("memory_bytes", {}), tr.get("fds", {}), tr.get("idle_used_tokens", {})
         tier = tr.get("tier_bytes_in_flight", {}).get("last", "-")
         mib = lambda v: f"{v / 2**20:.0f}" if isinstance(v, (int, float)) else "-"  # noqa: E731
         first, last = s["first_window"] or {}, s["last_window"] or {}

@@ -96,18 +96,23 @@ def process_tree(pid: int) -> list[int]:
 
 
 def tree_usage(pid: int) -> dict[str, int]:
-    """``{"rss_bytes", "fds", "processes"}`` summed over ``pid``'s process tree (processes that
-    end while being read are skipped)."""
-    rss = fds = procs = 0
+    """``{"rss_bytes", "swap_bytes", "memory_bytes", "fds", "processes"}`` summed over ``pid``'s
+    process tree (processes that end while being read are skipped). ``memory_bytes`` is resident
+    plus swapped-out memory: on a machine that swaps, RSS alone falls while nothing is freed."""
+    rss = swap = fds = procs = 0
     for p in process_tree(pid):
         try:
             with open(f"/proc/{p}/status") as f:
-                kb = next((int(line.split()[1]) for line in f if line.startswith("VmRSS:")), 0)
+                kb = {k: int(v.split()[0]) for k, _, v in (line.partition(":") for line in f)
+                      if k in ("VmRSS", "VmSwap")}  # fmt: skip
             n_fds = len(os.listdir(f"/proc/{p}/fd"))
-        except (OSError, StopIteration):
+        except (OSError, ValueError, IndexError):
             continue
-        rss, fds, procs = rss + kb * 1024, fds + n_fds, procs + 1
-    return {"rss_bytes": rss, "fds": fds, "processes": procs}
+        rss += kb.get("VmRSS", 0) * 1024
+        swap += kb.get("VmSwap", 0) * 1024
+        fds, procs = fds + n_fds, procs + 1
+    return {"rss_bytes": rss, "swap_bytes": swap, "memory_bytes": rss + swap, "fds": fds,
+            "processes": procs}  # fmt: skip
 
 
 def metric_values(text: str, name: str) -> dict[str, float]:
@@ -143,7 +148,7 @@ def slope(xs: list[float], ys: list[float]) -> float:
     return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
 
 
-TREND_FIELDS = ("rss_bytes", "fds", "idle_used_tokens", "tier_bytes_in_flight")
+TREND_FIELDS = ("memory_bytes", "rss_bytes", "fds", "idle_used_tokens", "tier_bytes_in_flight")
 
 
 def trends(samples: list[dict[str, Any]], skip_first: int = 1) -> dict[str, dict[str, float]]:

@@ -67,6 +67,7 @@ def test_metric_values_reads_labelled_samples_of_one_metric() -> None:
 def test_tree_usage_counts_this_process() -> None:
     usage = tree_usage(os.getpid())
     assert usage["processes"] >= 1 and usage["rss_bytes"] > 10 * 2**20 and usage["fds"] >= 3
+    assert usage["memory_bytes"] == usage["rss_bytes"] + usage["swap_bytes"]
 
 
 def test_only_token_differences_count_as_greedy_mismatches() -> None:
