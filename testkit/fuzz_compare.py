@@ -146,10 +146,25 @@ def _compare_greedy(base: dict, ref: list[Output], cand: list[Output], tol: floa
                       logprobs_compared=compared)  # fmt: skip
 
 
+def _prompt_tails(ref: Any, cand: Any) -> tuple[Any, Any]:
+    """SGLang returns a prompt's hidden states (entry 0, one row per position) only for the
+    positions it computed, not those its prefix cache served: two servers whose caches hold
+    different prefixes answer different lengths (seen both ways in the hour soak). The rows
+    both computed are the prompt's last ones; entry 0 is cut to them."""
+    def rows(x: Any) -> bool:
+        return isinstance(x, list) and bool(x) and isinstance(x[0], list) and bool(x[0]) \
+            and isinstance(x[0][0], list)
+    if not (rows(ref) and rows(cand)):
+        return ref, cand
+    n = min(len(ref[0]), len(cand[0]))
+    return [ref[0][len(ref[0]) - n:], *ref[1:]], [cand[0][len(cand[0]) - n:], *cand[1:]]
+
+
 def _hidden_problem(ref: Any, cand: Any) -> dict[str, Any] | None:
-    """Hidden states (nested lists of floats) of the same shape and within HIDDEN_TOLERANCE."""
+    """Hidden states (nested lists of floats) of the same shape and within HIDDEN_TOLERANCE,
+    the prompt's entry over the positions both servers computed (``_prompt_tails``)."""
     worst = 0.0
-    todo = [((), ref, cand)]
+    todo = [((), *_prompt_tails(ref, cand))]
     while todo:
         path, a, b = todo.pop()
         if isinstance(a, list) and isinstance(b, list):

@@ -49,6 +49,18 @@ def test_hidden_states_must_match_in_shape_and_value() -> None:
         assert [p.kind for p in result.problems] == [fc.HIDDEN_MISMATCH]
 
 
+def test_prompt_hidden_states_compared_over_the_positions_both_computed() -> None:
+    """A prompt served partly from one server's prefix cache has fewer prompt rows there (the
+    hour soak: 1 against 13): the rows both computed must agree, the decode entries all."""
+    case = FuzzCase(0, "hidden", GENERATE, {"text": "x", "return_hidden_states": True}, TOKENS)
+    full = _reply([_gen([1], [[[0.1, 0.2], [0.3, 0.4], [0.5, 0.6]], [0.7, 0.8]])])
+    cached = _reply([_gen([1], [[[0.5, 0.6]], [0.7, 0.8]])])
+    wrong_tail = _reply([_gen([1], [[[0.5, 0.9]], [0.7, 0.8]])])
+    assert fc.compare_case(case, full, cached).ok and fc.compare_case(case, cached, full).ok
+    result = fc.compare_case(case, full, wrong_tail)
+    assert [p.kind for p in result.problems] == [fc.HIDDEN_MISMATCH]
+
+
 def _dist_case(pos: int) -> FuzzCase:
     body = {"text": "x", "sampling_params": {"n": 200, "temperature": 1.0}}
     return FuzzCase(0, "distribution", GENERATE, body, DISTRIBUTION, (f"pos{pos}",))
