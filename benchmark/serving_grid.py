@@ -23,7 +23,7 @@ text (token ids are not in its output; greedy texts equal position by position).
     python benchmark/serving_grid.py --input-lens 1024 --concurrency 1 8 --datasets random-ids \
         --rounds 1 --num-prompts 4 --output-len 32 --out /tmp/serving_smoke.json   # minutes
 
-Writes OUT (default benchmark/results/serving_grid.json, rewritten after every run) and OUT.md;
+Writes OUT (default benchmark/results/serving_grid.json, rewritten after every round) and OUT.md;
 progress on stderr; server logs and harness outputs under ``--work``.
 """
 
@@ -186,8 +186,9 @@ def run_grid(args: argparse.Namespace, report: dict[str, Any], model: Path, work
                                     args.ample_n_full)  # fmt: skip
         budget = plan.budget_tokens(n_full, first.input_len, args.output_len)
         for cell in group:
-            rec = cells.setdefault(cell.key(), {**plan.cell_record(cell), "n_full": n_full,
-                                                "max_total_tokens": budget, "rounds": []})  # fmt: skip
+            rec = {**plan.cell_record(cell), "n_full": n_full, "max_total_tokens": budget,
+                   "rounds": []}
+            cells[cell.key()] = rec
             report["cells"].append(rec)
         for r in range(args.rounds):
             order = plan.round_order(SERVERS, r)
@@ -213,8 +214,8 @@ def run_grid(args: argparse.Namespace, report: dict[str, Any], model: Path, work
                     for i, cell in enumerate(group):
                         progress(f"cell {index + i + 1}/{total} {cell.key()} "
                                  f"round {r + 1} {name}", t0)
-                        run = run_harness(cell, server.url, model, args, work,
-                                          f"{slug}-{cell.dataset}-c{cell.concurrency}", custom)  # fmt: skip
+                        stem = f"{slug}-{cell.dataset}-c{cell.concurrency}"
+                        run = run_harness(cell, server.url, model, args, work, stem, custom)
                         rounds[cell.key()]["servers"][name] = run
                         if "error" in run:
                             progress(f"  error: {run['error'][:300]}", t0)
@@ -232,7 +233,8 @@ def run_grid(args: argparse.Namespace, report: dict[str, Any], model: Path, work
 
 
 def finish_round(rnd: dict[str, Any]) -> None:
-    """Texts compared with plain's, then dropped (the harness's log keeps them)."""
+    """Texts compared with plain's, then dropped (each run's ``--output-file`` under
+    ``--work`` keeps them); the round's ratios."""
     runs = rnd["servers"]
     ref = runs.get(plan.PLAIN, {}).get("texts")
     rnd["identical"] = {}
