@@ -1,7 +1,8 @@
 """Remote prefix reuse through the zmq KV server, between two real --vericache servers.
 
 One KV server process on 127.0.0.1 (throttled, fault injection on) is shared by servers A and
-B. A prefix computed on A is a hit on B; the next turn on A hits the prefix A kept on its device
+B. A prefix computed on A is a hit on B (also for a turn sent to B the moment A answered: the
+prompt is written through as its prefill completes); the next turn on A hits the prefix A kept on its device
 (the pool has room); on a replica whose pool is short, an evicted turn is demoted (compressed KV
 kept) and its next turn drafts while its full KV is fetched; a corrupted chunk, and a KV server killed in the middle of a fetch, make B
 recompute, with output token-identical to plain SGLang every time.
@@ -87,6 +88,22 @@ def test_prefix_computed_on_a_is_a_hit_on_b(servers, kv_server, plain_server, to
     a, b = servers
     ids, turn2 = _two_turns(a, kv_server, tokenizer, "invoice", " Now list the exceptions.")
     got = _generate(b, turn2)
+    assert got["meta_info"]["cached_tokens"] >= (len(ids) // CHUNK) * CHUNK, got["meta_info"]
+    assert got["output_ids"] == _generate(plain_server, turn2)["output_ids"]
+
+
+def test_a_turn_moved_at_once_finds_its_prompt_in_the_tier(servers, kv_server, plain_server,
+                                                           tokenizer) -> None:  # fmt: skip
+    """An agent's next turn follows its predecessor within milliseconds and may land on
+    another replica: the prompt's KV is written through as its prefill completes, so while the
+    turn decodes it lands (~0.8 s at the KV server's 40 MB/s) and the next turn, sent to B the
+    moment A answers, hits it. (Written only at the turn's end, B found nothing.)"""
+    a, b = servers
+    ids = _prompt(tokenizer, "shipment")
+    first = http_json(a.url + "/generate", {"input_ids": ids, "sampling_params": {
+        "temperature": 0, "max_new_tokens": 48, "ignore_eos": True}})  # fmt: skip
+    turn2 = ids + first["output_ids"] + tokenizer.encode(" Which item ships first?")
+    got = _generate(b, turn2)  # no wait for the tier: the turn moves at once
     assert got["meta_info"]["cached_tokens"] >= (len(ids) // CHUNK) * CHUNK, got["meta_info"]
     assert got["output_ids"] == _generate(plain_server, turn2)["output_ids"]
 

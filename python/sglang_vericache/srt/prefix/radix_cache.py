@@ -186,11 +186,12 @@ class VeriCacheRadixCache(RadixCache):
         if not req.finished():
             if self.offloader.ledger.span(row) is None:  # its KV in the pool: as plain SGLang
                 super().checkpoint(req, up_to=up_to)
-            return  # offloaded: the tree adopted its slots when they moved (``adopt``)
-        tokens = None
-        if self.remote is not None and self.eligibility.may_write(req):
-            tokens = req.full_untruncated_fill_ids[:up_to]
-            self.remote.write_through(tokens, self._sequence_reader(row))
+            # (offloaded: the tree adopted its slots when they moved, ``adopt``)
+            # The prompt goes to the tier as its prefill completes, not when the turn ends: an
+            # agent's next turn follows within milliseconds and may land on another replica.
+            self._write_through(req, up_to)
+            return
+        tokens = self._write_through(req, up_to)  # the rest of it (chunks already sent skipped)
         if not self.disable:
             # Back on the device, FULL, as plain SGLang keeps a finished request's KV: it is
             # the most recently used prefix, so older cached nodes are evicted for it (LRU; a
@@ -203,6 +204,15 @@ class VeriCacheRadixCache(RadixCache):
                 # to the pool, DEMOTED once the tree evicts the FULL node
                 self.ahead.remember(req.rid, tokens)
             self._observe_tier()
+
+    def _write_through(self, req: Any, up_to: int) -> list[int] | None:
+        """Submit the whole chunks of ``req``'s first ``up_to`` tokens the tier lacks; returns
+        those tokens, or None where ``req`` may not write (no tier, not eligible)."""
+        if self.remote is None or not self.eligibility.may_write(req):
+            return None
+        tokens = req.full_untruncated_fill_ids[:up_to]
+        self.remote.write_through(tokens, self._sequence_reader(req.kv.req_pool_idx))
+        return tokens
 
     def _reclaim(self, req: Any, up_to: int) -> int:
         """Point a finished drafted row at device KV again, so SGLang can cache it: positions
