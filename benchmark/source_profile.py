@@ -47,10 +47,10 @@ from sglang_vericache.models import ensure_default_model  # noqa: E402
 # the sample wins (a verify step holds its draft forwards and its commit).
 PHASES = [
     ("prefill", ("VeriCacheWorker._as_prefill_work",)),
-    ("draft forward", ("DecodeSteps._draft",)),
-    ("commit", ("DecodeSteps._commit", "RequestDraftState.catch_up")),
-    ("verify forward", ("DecodeSteps._verify_step",)),
-    ("plain forward", ("DecodeSteps._plain_step",)),
+    ("draft forward", ("DecodeStep._draft",)),
+    ("commit", ("DecodeStep._commit", "RequestDraftState.catch_up")),
+    ("verify forward", ("DecodeStep._verify_step",)),
+    ("plain forward", ("DecodeStep._plain_step",)),
 ]
 # (component, function names); the innermost match wins (a KV read inside attention is a read).
 COMPONENTS = [

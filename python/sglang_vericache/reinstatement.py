@@ -1,7 +1,7 @@
 """When a demoted row drafts again (pure bookkeeping, no torch).
 
 A drafted row is *demoted* where drafting does not pay and admission is short: its compressed KV
-is dropped so that its pool slots admit a waiting request (``srt/decode/decode_steps.py``,
+is dropped so that its pool slots admit a waiting request (``srt/decode/decode_step.py``,
 ``_demote_for_room``), and it decodes plainly from its full KV. The room was needed then, not
 for good: once nothing waits for memory and the pool's free slots hold the row's compressed KV
 again, the compressed KV is rebuilt from the full KV (exact, as every token's KV is) and the row

@@ -18,17 +18,17 @@ def _stack(*frames: str) -> str:
 
 
 def test_a_sample_goes_to_its_outermost_phase_and_innermost_component() -> None:
-    draft = _stack("DecodeSteps._decode_step (decode_steps.py:3)",
-                   "DecodeSteps._verify_step (decode_steps.py:4)",
-                   "DecodeSteps._draft (decode_steps.py:5)", MODEL,
+    draft = _stack("DecodeStep.run (decode_step.py:3)",
+                   "DecodeStep._verify_step (decode_step.py:4)",
+                   "DecodeStep._draft (decode_step.py:5)", MODEL,
                    "DraftPlan.attend (draft_attention.py:96)")  # fmt: skip
     assert classify(draft.split(";")) == ("draft forward", "attention (SDPA)")
-    read = _stack("DecodeSteps._verify_step (decode_steps.py:4)", MODEL,
+    read = _stack("DecodeStep._verify_step (decode_step.py:4)", MODEL,
                   "VeriCacheAttnBackend._attend_new_tokens (attention.py:1)",
                   "OffloadLedger.read (offload.py:207)",
                   "read_pool_kv (offload.py:258)")  # fmt: skip
     assert classify(read.split(";")) == ("verify forward", "full-KV read")
-    norm = _stack("DecodeSteps._plain_step (decode_steps.py:6)", MODEL,
+    norm = _stack("DecodeStep._plain_step (decode_step.py:6)", MODEL,
                   "RMSNorm.forward_native (layernorm.py:1)")  # fmt: skip
     assert classify(norm.split(";")) == ("plain forward", "other model ops")
     assert classify(LOOP.split(";")) == ("scheduler", OUTSIDE)
@@ -36,9 +36,9 @@ def test_a_sample_goes_to_its_outermost_phase_and_innermost_component() -> None:
 
 def test_tally_and_table_add_up_to_every_sample() -> None:
     raw = "\n".join([
-        _stack("DecodeSteps._draft (d.py:5)", MODEL,
+        _stack("DecodeStep._draft (d.py:5)", MODEL,
                "UnquantizedLinearMethod.apply (u.py:1)") + " 30",
-        _stack("DecodeSteps._verify_step (d.py:4)", MODEL,
+        _stack("DecodeStep._verify_step (d.py:4)", MODEL,
                "LogitsProcessor._compute_lm_head (l.py:1)") + " 10",
         LOOP + " 10",
     ])  # fmt: skip

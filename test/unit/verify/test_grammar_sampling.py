@@ -2,7 +2,7 @@
 sampling), with termination anywhere along the draft chain.
 
 ``_generate`` is the worker's step in miniature over a batch of SAMPLED, grammar-constrained
-rows (``srt/decode/decode_steps.py`` ``_draft`` / ``_verify_step``): each draft column's q logits are
+rows (``srt/decode/decode_step.py`` ``_draft`` / ``_verify_step``): each draft column's q logits are
 masked by the row's matcher and sampled (``draft_column`` with ``SampledDrafts``), the verify's
 p logits are masked by the chain's column masks, rows are accepted by speculative sampling
 (``accept_step``) and closed on an accepted terminating draft (``GrammarChain.close``); then each

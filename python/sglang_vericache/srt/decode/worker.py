@@ -27,8 +27,9 @@ Whether a step drafts at all, and how far, is decided per step from measured for
 decoding, the step is a plain one.
 
 The decode step itself (prepare, draft, verify, commit, each timed into the step profile of
-``verify/step_profile.py``) is ``srt/decode/decode_steps.py``; this class holds the request records,
-the scheduler's entry point, prefill and the result SGLang reads.
+``verify/step_profile.py``) is a ``DecodeStep`` (``srt/decode/decode_step.py``) this worker builds
+with its collaborators and runs per decode batch; this class holds the request records, the
+scheduler's entry point, prefill and the result SGLang reads.
 
 Only tokens the full-KV verify decided are ever committed, so greedy output equals plain
 decoding and sampled output is distributed as plain sampling; grammar rows are masked along the
@@ -57,7 +58,7 @@ from sglang_vericache.srt.attention.backend import QueryCapture, VeriCacheAttnBa
 from sglang_vericache.srt.decode.batch_inputs import (
     spec_result,
 )
-from sglang_vericache.srt.decode.decode_steps import DecodeSteps
+from sglang_vericache.srt.decode.decode_step import DecodeStep, lap
 from sglang_vericache.requests.table import RequestTable
 from sglang_vericache.srt.context import context_of
 from sglang_vericache.srt.prefix.draft_ahead import DraftAhead
@@ -82,7 +83,7 @@ logger = logging.getLogger(__name__)
 OBS_WINDOW = 32  # prompt queries kept for attention-scored compressors (SnapKV, H2O)
 
 
-class VeriCacheWorker(DecodeSteps, BaseSpecWorker):
+class VeriCacheWorker(BaseSpecWorker):
     """Same-model drafting on compressed KV, verification on full KV (see module doc)."""
 
     def __init__(self, server_args, gpu_id, nccl_port, target_worker, **_: Any) -> None:
@@ -140,6 +141,19 @@ class VeriCacheWorker(DecodeSteps, BaseSpecWorker):
                 name for name, on in (("paged (FlashInfer)", self.paged_draft),
                                       ("packed pages (Triton)", self.pool_kivi_draft)) if on
             ) or "per row (SDPA)",
+        )  # fmt: skip
+        # what exists only after this worker (pools, attention backend, draft ahead) is looked
+        # up on use, through the worker's lazy properties
+        self.step = DecodeStep(
+            book=self.book, draft_length=self.draft_length, clock=self.clock, metrics=self.metrics,
+            target_worker=target_worker, model_runner=self.model_runner, compressor=self.compressor,
+            precision=self.precision, generator=self.generator, device=self.device,
+            num_layers=self.num_layers, offload_only=self.offload_only,
+            speculative_num_draft_tokens=self.speculative_num_draft_tokens,
+            draft_kernel=self.draft_kernel, paged_draft=self.paged_draft,
+            pool_kivi_draft=self.pool_kivi_draft, offloader=lambda: self.offloader,
+            stager=lambda: self.stager, attn=lambda: self.attn, ahead=lambda: self.ahead,
+            offload=self._offload, result=self._result,
         )  # fmt: skip
 
     def _draft_geometry(self, server_args: Any) -> PagedDecodeGeometry:
@@ -247,7 +261,7 @@ class VeriCacheWorker(DecodeSteps, BaseSpecWorker):
             self.clock.start(time.perf_counter())
             self.attn.clock = self.clock
             try:
-                result = self._decode_step(batch)
+                result = self.step.run(batch)
             finally:
                 self.attn.clock = None
                 profile = self.clock.finish(time.perf_counter())
@@ -290,7 +304,7 @@ class VeriCacheWorker(DecodeSteps, BaseSpecWorker):
             )
         finally:
             capture, self.attn.capture = self.attn.capture, None
-        self._lap(Phase.PREFILL)
+        lap(self.clock, Phase.PREFILL)
         link = context_of(self.model_runner.req_to_token_pool).link
         if link is not None:  # the tier link weighs fetching a prefix against recomputing it
             link.observe_prefill(int(batch.extend_num_tokens or 0), time.perf_counter() - started)
@@ -329,9 +343,9 @@ class VeriCacheWorker(DecodeSteps, BaseSpecWorker):
         if queries is not None:
             state = self._compress(req, row, length, queries).labelled(req, mode)
             self.states[req.rid] = state
-            self._lap(Phase.COMPRESS)
+            lap(self.clock, Phase.COMPRESS)
         self._offload(req, row, length, state)
-        self._lap(Phase.OFFLOAD)
+        lap(self.clock, Phase.OFFLOAD)
 
     def _settle_prefills(self) -> None:
         """The work prefill steps left for after their first tokens (``RequestBook``), timed as

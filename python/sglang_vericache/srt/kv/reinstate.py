@@ -1,7 +1,7 @@
 """Demoted rows of a decode batch draft again once room returns (glue; the policy is
 ``sglang_vericache.reinstatement``).
 
-``_demote_for_room`` (``srt/decode/decode_steps.py``) drops a drafted row's compressed KV where drafting
+``_demote_for_room`` (``srt/decode/decode_step.py``) drops a drafted row's compressed KV where drafting
 does not pay and a waiting request needs its pool slots; ``RequestBook`` keeps the row plain
 (``DEMOTED``). Each decode step, before it sorts its rows, the worker asks ``still_demoted``:
 the demoted rows whose room has returned get their compressed KV rebuilt from their full KV

@@ -1,17 +1,27 @@
-"""The decode step of the VERICACHE worker: prepare, draft, verify, commit (a mixin).
+"""The decode step of the VERICACHE worker: prepare, draft, verify, commit (a composed object).
 
-``VeriCacheWorker`` (``srt/decode/worker.py``, whose module doc draws the step) inherits these
-methods, the way SGLang splits its scheduler into mixins; they read the worker's attributes:
-``book``/``states`` (per-request records), ``offloader``, ``attn``, ``target_worker``,
-``draft_length`` (planner and cost fit), ``clock`` (the step profile), ``metrics``, ``ahead``,
-``generator``, ``compressor``, ``precision`` (draft weights), ``draft_kernel`` / ``paged_draft``
-/ ``pool_kivi_draft`` (batched draft attention: the CPU kernel, a GPU's paged decodes),
-``stager`` (a step's offloaded full KV to the device: while the batch drafts, before a plain
-forward; ``srt/kv/full_kv_stage.py``),
-``num_layers``, ``offload_only``, ``device`` and ``speculative_num_draft_tokens``.
-Everything runs on the scheduler thread.
+``VeriCacheWorker`` (``srt/decode/worker.py``, whose module doc draws the step) builds one
+``DecodeStep`` at construction and calls ``DecodeStep.run(batch)`` for every decode batch; the
+step's collaborators are its frozen fields, handed in by name: ``book`` (per-request records and
+their ``states``), ``draft_length`` (planner and cost fit), ``clock`` (the step profile),
+``metrics``, ``target_worker`` / ``model_runner`` (SGLang's forwards and sampler),
+``generator``, ``compressor``, ``precision`` (draft weights), ``draft_kernel`` / ``paged_draft`` /
+``pool_kivi_draft`` (batched draft attention: the CPU kernel, a GPU's paged decodes),
+``num_layers``, ``offload_only``, ``device`` and ``speculative_num_draft_tokens``. What exists
+only after the worker (the pools, the model runner's attention backend, the prefix cache's draft
+ahead) is handed in as getters the step calls on use, as the worker's own lazy properties do:
+``offloader``, ``stager`` (a step's offloaded full KV to the device: while the batch drafts,
+before a plain forward; ``srt/kv/full_kv_stage.py``), ``attn`` and ``ahead``. Two worker methods
+are handed in too: ``offload`` (a row's newly committed KV to its placement) and ``result``
+(SGLang's result of a step, with each request's meta info).
 
-    _decode_step  prepare: compressed views in step, pressure offload, draft-or-plain plan
+A step mutates the batch (its inputs, rewritten per forward: ``batch_inputs``), the book (plain
+notes, demotions, each drafted row's compressed KV in ``states``), the offloader (pressure moves,
+released reservations, offloads), the attention backend's ``draft`` / ``capture`` for the span
+of a forward, the planner's cost fit and the clock's laps. Everything runs on the scheduler
+thread.
+
+    run           prepare: compressed views in step, pressure offload, draft-or-plain plan
     _plain_step   one token per row from SGLang's own decode forward and sampler (compressed KV
                   is left behind: nothing drafts from it until drafting resumes)
     _verify_step  compressed KV caught up, _draft (x forwards over the compressed views), one
@@ -23,24 +33,23 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from sglang_vericache.srt.attention.backend import QueryCapture
+from sglang_vericache.srt.attention.backend import QueryCapture, VeriCacheAttnBackend
+from sglang_vericache.srt.attention.draft_attention import DraftPlan
+from sglang_vericache.srt.attention.draft_precision import DraftPrecision, drafting
 from sglang_vericache.srt.decode.batch_inputs import (
     last_tokens,
     one_token_rows,
     set_decode_inputs,
     set_verify_inputs,
 )
-from sglang_vericache.srt.prefix.draft_ahead import batch_proposals
-from sglang_vericache.srt.attention.draft_attention import DraftPlan
-from sglang_vericache.srt.attention.draft_precision import drafting
-from sglang_vericache.srt.kv.draft_state import RequestDraftState
 from sglang_vericache.srt.decode.eligibility import StepRows, decode_mode
-from sglang_vericache.srt.hooks.grammar_rollback import roll_back_or_abort
-from sglang_vericache.srt.kv.reinstate import still_demoted
-from sglang_vericache.verify.row_acceptance import SampledDrafts, draft_column
+from sglang_vericache.srt.decode.request_book import RequestBook
 from sglang_vericache.srt.decode.row_sampling import commit_verify
 from sglang_vericache.srt.decode.step_costs import (
     joining_contexts,
@@ -50,28 +59,73 @@ from sglang_vericache.srt.decode.step_costs import (
     step_rows,
     verify_shape,
 )
+from sglang_vericache.srt.hooks.grammar_rollback import roll_back_or_abort
+from sglang_vericache.srt.kv.draft_state import RequestDraftState
+from sglang_vericache.srt.kv.full_kv_stage import FullKVStager
+from sglang_vericache.srt.kv.offloader import PoolOffloader
+from sglang_vericache.srt.kv.reinstate import still_demoted
+from sglang_vericache.srt.metrics import VeriCacheExporter
+from sglang_vericache.srt.prefix.draft_ahead import DraftAhead, batch_proposals
 from sglang_vericache.verify import VerifyRecord
+from sglang_vericache.verify.draft_length import DraftLengthController
 from sglang_vericache.verify.grammar_chain import GrammarChain
+from sglang_vericache.verify.row_acceptance import SampledDrafts, draft_column
 from sglang_vericache.verify.step_cost import ForwardKind, ForwardShape
 from sglang_vericache.verify.step_plan import PLAIN_FASTER
-from sglang_vericache.verify.step_profile import Phase
+from sglang_vericache.verify.step_profile import Phase, StepClock
 
 logger = logging.getLogger(__name__)
 
 
-class DecodeSteps:
-    """The decode half of ``VeriCacheWorker`` (see module doc)."""
+def lap(clock: StepClock, phase: Phase) -> None:
+    """Charge the time since the clock's last lap to ``phase`` (while a step is profiled)."""
+    if clock.running:
+        clock.lap(phase, time.perf_counter())
 
-    def _decode_step(self, batch):
+
+@dataclass(frozen=True, kw_only=True)
+class DecodeStep:
+    """One decode batch's step, from its collaborators (see module doc); the getters are called
+    on use because what they return exists only after the worker."""
+
+    book: RequestBook
+    draft_length: DraftLengthController
+    clock: StepClock
+    metrics: VeriCacheExporter | None
+    target_worker: Any
+    model_runner: Any
+    compressor: Any
+    precision: DraftPrecision | None
+    generator: torch.Generator
+    device: Any
+    num_layers: int
+    speculative_num_draft_tokens: int
+    offload_only: bool
+    draft_kernel: Any
+    paged_draft: Any
+    pool_kivi_draft: Any
+    offloader: Callable[[], PoolOffloader]
+    stager: Callable[[], FullKVStager]
+    attn: Callable[[], VeriCacheAttnBackend]
+    ahead: Callable[[], DraftAhead | None]
+    offload: Callable[[Any, int, int, RequestDraftState | None], None]
+    result: Callable[..., Any]
+
+    @property
+    def states(self) -> dict[str, RequestDraftState]:
+        """rid -> compressed KV of each drafted request (the book's)."""
+        return self.book.states
+
+    def run(self, batch):
         # The rows this step drafts; the others take one exact token (srt/decode/row_sampling.py).
         step = StepRows.of(batch.reqs, drafting=not self.offload_only,
                            watermarked=batch.sampling_info.watermark_candidates_host).without(
             self._still_demoted(batch))  # fmt: skip
         self._sync_states(batch, step.drafted)
-        moved = relieve_pressure(batch, self.states, self.offloader,
+        moved = relieve_pressure(batch, self.states, self.offloader(),
                                  self.speculative_num_draft_tokens)  # fmt: skip
         plan = self.draft_length.plan(step_rows(batch, self.states, step.drafted),
-                                      joining_contexts(batch, step.drafted, self.offloader))
+                                      joining_contexts(batch, step.drafted, self.offloader()))
         if plan.reason == PLAIN_FASTER:
             self._demote_for_room(batch, step.drafted)
         logger.debug("decode step: %d rows, %d drafts (%s); predicted tok/s plain %s, drafted %s",
@@ -85,37 +139,37 @@ class DecodeSteps:
         return self._plain_step(batch)
 
     def _lap(self, phase: Phase) -> None:
-        """Charge the time since the last lap to ``phase`` (a decode step's profile)."""
-        if self.clock.running:
-            self.clock.lap(phase, time.perf_counter())
+        lap(self.clock, phase)
 
     def _demote_for_room(self, batch, drafted: list[int]) -> None:
         """Drafting does not pay and admission is short: rows whose compressed KV held pool
         slots drop it and decode from their full KV until room returns (``_still_demoted``)."""
+        offloader = self.offloader()
         rows, lens = batch.req_pool_indices.tolist(), batch.seq_lens_cpu.tolist()
-        for i in rows_to_release(batch, drafted, self.offloader.ledger):
+        for i in rows_to_release(batch, drafted, offloader.ledger):
             # the state first: a state no one holds is not copied out of the slots it leaves
             self.book.demote(batch.reqs[i].rid, int(lens[i]))
-            self.offloader.release_reserved(rows[i])
+            offloader.release_reserved(rows[i])
             logger.info("request %s: compressed KV dropped for admission (drafting does not "
                         "pay); it decodes plainly until room returns", batch.reqs[i].rid)
 
     def _still_demoted(self, batch) -> set[int]:
         """The batch's demoted rows that stay plain this step; those whose room returned draft
         again, their compressed KV rebuilt (``srt/kv/reinstate.py``)."""
-        return still_demoted(batch, self.book, self.offloader, self.compressor, self.num_layers,
+        return still_demoted(batch, self.book, self.offloader(), self.compressor, self.num_layers,
                              self.speculative_num_draft_tokens)  # fmt: skip
 
     def _sync_states(self, batch, drafted: list[int]) -> None:
         """Every drafted row gets a compressed KV covering at most its committed KV (behind
         after plain steps: ``_verify_step`` catches it up before drafting)."""
+        offloader = self.offloader()
         bases = batch.seq_lens_cpu.tolist()
         rows = batch.req_pool_indices.tolist()
         for i in drafted:
             req, base = batch.reqs[i], bases[i]
             self.states[req.rid] = RequestDraftState.in_step(
                 self.states.get(req.rid), req, self.compressor,
-                self.offloader.layer_reader(rows[i], base), base, self.num_layers, decode_mode(req),
+                offloader.layer_reader(rows[i], base), base, self.num_layers, decode_mode(req),
             )  # fmt: skip
 
     def _plain_step(self, batch):
@@ -124,28 +178,29 @@ class DecodeSteps:
         for req in batch.reqs:
             self.book.note_plain(req)
         base = batch.seq_lens_cpu.clone()
-        set_decode_inputs(batch, self.offloader.table, last_tokens(batch, self.device), base, 0)
+        set_decode_inputs(batch, self.offloader().table, last_tokens(batch, self.device), base, 0)
         rows = batch.req_pool_indices.tolist()
         # a GPU: the rows' host-resident full KV in one copy each, not one per layer in the
         # forward (nothing runs meanwhile to overlap it with)
-        self.clock.note_transient(self.stager.stage(rows))
-        self.stager.ready()
+        stager = self.stager()
+        self.clock.note_transient(stager.stage(rows))
+        stager.ready()
         try:
             out = self.target_worker.forward_batch_generation(batch)
         finally:
-            self.stager.release()
+            stager.release()
         self._lap(Phase.PLAIN)
         for i, req in enumerate(batch.reqs):  # compressed KV catches up when drafting resumes
             state = self.states.get(req.rid)
             if state is not None or self.book.offloads_plainly(req.rid):
-                self._offload(req, rows[i], int(base[i]) + 1, state)
+                self.offload(req, rows[i], int(base[i]) + 1, state)
                 self._lap(Phase.OFFLOAD)
         # the whole plain step, its offloads included: what the planner weighs a drafted step
         # against (the prepare phase before the choice is the same for both)
         self.draft_length.observe_forward(ForwardKind.PLAIN, plain_shape(batch),
                                           time.perf_counter() - started)  # fmt: skip
         tokens, ones = one_token_rows(out, self.speculative_num_draft_tokens)
-        return self._result(batch, tokens, ones, (base + 1).to(self.device), out.logits_output)
+        return self.result(batch, tokens, ones, (base + 1).to(self.device), out.logits_output)
 
     def _draft(self, batch, base: torch.Tensor, rows: torch.Tensor, drafted: list[int],
                sampled: SampledDrafts | None, grammar: GrammarChain | None) -> float:  # fmt: skip
@@ -162,14 +217,15 @@ class DecodeSteps:
         states = [None] * len(batch.reqs)
         for i in drafted:
             states[i] = self.states[batch.reqs[i].rid]
-        plan = self.attn.draft = DraftPlan(base.tolist(), states, rows.shape[1] - 1,
-                                           self.draft_kernel, self.paged_draft,
-                                           self.pool_kivi_draft)  # fmt: skip
+        attn, offloader = self.attn(), self.offloader()
+        plan = attn.draft = DraftPlan(base.tolist(), states, rows.shape[1] - 1,
+                                      self.draft_kernel, self.paged_draft,
+                                      self.pool_kivi_draft)  # fmt: skip
         spent = 0.0
         try:
             for j in range(rows.shape[1] - 1):
                 started = time.perf_counter()
-                set_decode_inputs(batch, self.offloader.table, rows[:, j], base, j)
+                set_decode_inputs(batch, offloader.table, rows[:, j], base, j)
                 with drafting(self.precision):
                     out = self.target_worker.forward_batch_generation(batch, is_verify=True)
                 rows[:, j + 1] = draft_column(j, out.logits_output.next_token_logits, sampled,
@@ -183,7 +239,7 @@ class DecodeSteps:
             if grammar is not None:
                 grammar.fill(rows.shape[1] - 1)
         finally:
-            self.attn.draft = None
+            attn.draft = None
             self.clock.note_transient(plan.transient_bytes)
             if grammar is not None:
                 # the scheduler advances the matchers over what commits; a matcher that
@@ -201,15 +257,17 @@ class DecodeSteps:
         width = 1 + drafts
         base = batch.seq_lens_cpu.clone()
         pool_rows = batch.req_pool_indices.tolist()
+        offloader = self.offloader()
         for i in drafted:  # plain steps left their compressed KV behind: level it first
             state, length = self.states[batch.reqs[i].rid], int(base[i])
-            state.catch_up(self.offloader.range_reader(pool_rows[i], state.covered, length), length)
+            state.catch_up(offloader.range_reader(pool_rows[i], state.covered, length), length)
         self._lap(Phase.COMMIT)
         # the verify's host-resident full KV goes to the device while the batch drafts (a GPU)
-        self.clock.note_transient(self.stager.stage(pool_rows))
+        stager = self.stager()
+        self.clock.note_transient(stager.stage(pool_rows))
         # Drafts made while fetching are greedy, unmasked and carry no q: all-greedy steps only.
         ahead = None if plain_rows or step.sampled or step.grammar else batch_proposals(
-            self.ahead, batch.reqs, width - 1, self.book.ahead_used, self.device)
+            self.ahead(), batch.reqs, width - 1, self.book.ahead_used, self.device)
         if ahead is not None:  # every request was drafted while its prefix was fetched
             width = 1 + ahead.shape[1]
         rows = torch.empty(bs, width, dtype=torch.int64, device=self.device)
@@ -224,14 +282,15 @@ class DecodeSteps:
             drafting_seconds = self._draft(batch, base, rows, drafted, sampled, grammar)
         self._lap(Phase.DRAFT)
 
-        set_verify_inputs(batch, self.offloader.table, rows, base)
-        self.attn.capture = QueryCapture(width)
-        self.stager.ready()
+        set_verify_inputs(batch, offloader.table, rows, base)
+        attn = self.attn()
+        attn.capture = QueryCapture(width)
+        stager.ready()
         try:
             out = self.target_worker.forward_batch_generation(batch, is_verify=True)
         finally:
-            capture, self.attn.capture = self.attn.capture, None
-            self.stager.release()
+            capture, attn.capture = attn.capture, None
+            stager.release()
         draft_lens = torch.zeros(bs, dtype=torch.int32, device=self.device)
         draft_lens[drafted] = width - 1
         if grammar is not None:
@@ -248,7 +307,7 @@ class DecodeSteps:
             self._commit(batch.reqs[i], pool_rows[i], int(base[i]), int(accept_lens[i]),
                          int(draft_lens[i]), queries)  # fmt: skip
         for i in step.demoted:  # their token follows their KV to the host
-            self._offload(batch.reqs[i], pool_rows[i], int(base[i]) + 1, None)
+            self.offload(batch.reqs[i], pool_rows[i], int(base[i]) + 1, None)
         self._lap(Phase.OFFLOAD)
         # the verify is priced as the whole drafted step but its draft forwards: it carries
         # the catch-up of compressed KV behind after plain steps, the commit and the offloads,
@@ -260,16 +319,16 @@ class DecodeSteps:
         tokens = torch.zeros(bs, self.speculative_num_draft_tokens, dtype=torch.int64,
                              device=self.device)  # SGLang's rows are the allocated width
         tokens[:, :width] = predict
-        return self._result(batch, tokens.flatten(), accept_lens, new_seq_lens,
-                            out.logits_output)  # fmt: skip
+        return self.result(batch, tokens.flatten(), accept_lens, new_seq_lens,
+                           out.logits_output)  # fmt: skip
 
     def _commit(self, req, row: int, base: int, n: int, drafts: int, queries) -> None:
         """Book ``n`` committed tokens of a row verified over ``drafts`` drafts: compressed KV,
         stats, placement."""
-        state = self.states[req.rid]
-        slots = self.offloader.row_slots(row, base, base + n)
-        state.append(self.offloader.read_slots, slots, [q[:, :n] for q in queries])
-        span = self.offloader.ledger.span(row)
+        state, offloader = self.states[req.rid], self.offloader()
+        slots = offloader.row_slots(row, base, base + n)
+        state.append(offloader.read_slots, slots, [q[:, :n] for q in queries])
+        span = offloader.ledger.span(row)
         fetched = 0 if span is None else span.host.nbytes  # host KV the verify read
         record = VerifyRecord(drafted=drafts, committed=n, bytes_fetched=fetched,
                               wait_full_s=0.0)  # fmt: skip
@@ -278,6 +337,6 @@ class DecodeSteps:
         if self.metrics is not None:
             self.metrics.observe_verify(record, state.stats.mode)
         self._lap(Phase.COMMIT)
-        self._offload(req, row, base + n, state)
+        self.offload(req, row, base + n, state)
         self._lap(Phase.OFFLOAD)
 
