@@ -136,6 +136,28 @@ def test_default_compressor_is_identical_and_accepts_long_drafts(
     assert stats["mean_accept_len"] > 2.0
 
 
+CHAT_QUESTIONS = ("What is the capital of France?", "What is 2 + 2?", "Name a primary color.",
+                  "Say hello.", "What is the capital of Italy?", "Is water wet? Answer yes or no.")
+
+
+def test_an_eos_before_a_stop_string_in_one_verify_ends_at_the_eos(kivi_server,
+                                                                    plain_server) -> None:  # fmt: skip
+    """A verify that commits ``[..., EOS, "\n"]`` must end at the EOS, as plain decoding does:
+    SGLang's multi-token finish check matches stop strings first, and "\n" after the EOS ended
+    the row there, the EOS and "\n" in its output (the long fuzz, seed 2, case 405)."""
+    drafted = 0
+    for question in CHAT_QUESTIONS:
+        body = {"text": ("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+                         f"<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n"),
+                "sampling_params": {"temperature": 0, "max_new_tokens": 28, "stop": ["\n", ","]}}
+        want = http_json(plain_server.url + "/generate", body)
+        got = http_json(kivi_server.url + "/generate", body)
+        assert got["output_ids"] == want["output_ids"], (question, want, got)
+        assert got["meta_info"]["finish_reason"] == want["meta_info"]["finish_reason"], question
+        drafted += got["meta_info"]["vericache"]["verify_steps"] > 0
+    assert drafted >= len(CHAT_QUESTIONS) // 2  # the answers went through verifies
+
+
 def test_auto_placement_on_cpu_moves_the_full_kv_to_its_host_buffer(kivi_server, prompts) -> None:
     """``--vericache-placement auto`` on the CPU backend: the pool is host memory, where reading
     a request's own contiguous buffer in place beats gathering its pool slots, so a drafted

@@ -15,7 +15,10 @@ is never read as a draft, whatever its value (so no padding sentinel).
 
 A row's last draft may end the row (it terminates the row's grammar,
 ``verify/grammar_chain.py``): :func:`stop_at_last_draft` then commits that
-draft, when accepted, as the row's last token, with no bonus after it.
+draft, when accepted, as the row's last token, with no bonus after it. A
+committed stop token (EOS, ``stop_token_ids``) ends its row too:
+:func:`stop_at_first_stop_token` commits nothing after it, as plain decoding
+would not have produced it.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["AcceptResult", "greedy_accept", "stop_at_last_draft"]
+__all__ = ["AcceptResult", "greedy_accept", "stop_at_first_stop_token", "stop_at_last_draft"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,3 +141,33 @@ def stop_at_last_draft(result: AcceptResult, stops: torch.Tensor) -> AcceptResul
     stopped = result.bonus & stops.to(result.bonus.device) & (result.accept_lens > 1)
     return AcceptResult(accept_lens=result.accept_lens - stopped.to(result.accept_lens.dtype),
                         committed=result.committed, bonus=result.bonus & ~stopped)  # fmt: skip
+
+
+def stop_at_first_stop_token(result: AcceptResult, stop_ids: list[frozenset[int]]) -> AcceptResult:
+    """``result`` with every row cut after its first committed stop token (kept, no bonus).
+
+    stop_ids: one set per row, the token ids that finish that row (empty: none, e.g.
+        ``ignore_eos``). Plain decoding finishes a row at its stop token, so a verify must not
+        commit what follows it: SGLang's finish check of a multi-token step looks for stop
+        strings before stop tokens, so a stop string completed by a token *after* the EOS
+        would end the row there, with the EOS and that token in its output. The tokens up to
+        the stop are unchanged (greedy: the argmax chain; sampled: every one passed its test).
+        Inputs are not modified; ``committed`` is shared.
+    """
+    if len(stop_ids) != result.accept_lens.shape[0]:
+        raise ValueError(f"stop_ids must have {result.accept_lens.shape[0]} rows, "
+                         f"got {len(stop_ids)}")  # fmt: skip
+    if not any(stop_ids):
+        return result
+    lens = result.accept_lens.tolist()
+    width = max(lens, default=0)
+    tokens = result.committed[:, :width].tolist()
+    cut = list(lens)
+    for i, (ids, n) in enumerate(zip(stop_ids, lens)):
+        if ids:
+            cut[i] = next((j + 1 for j, t in enumerate(tokens[i][:n]) if t in ids), n)
+    if cut == lens:
+        return result
+    new_lens = torch.tensor(cut, dtype=result.accept_lens.dtype, device=result.accept_lens.device)
+    return AcceptResult(accept_lens=new_lens, committed=result.committed,
+                        bonus=result.bonus & (new_lens == result.accept_lens))  # fmt: skip

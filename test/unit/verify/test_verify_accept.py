@@ -4,7 +4,7 @@ import random
 
 import pytest
 import torch
-from sglang_vericache.verify.accept import greedy_accept, stop_at_last_draft
+from sglang_vericache.verify.accept import greedy_accept, stop_at_first_stop_token, stop_at_last_draft
 
 
 def _reference_accept(row: list[int], pred: list[int], n: int) -> int:
@@ -132,3 +132,27 @@ def test_stop_at_last_draft_drops_only_a_bonus_after_an_accepted_stop() -> None:
     assert res.accept_lens.tolist() == [3, 2, 3, 1], "inputs are not modified"
     with pytest.raises(ValueError, match="stops"):
         stop_at_last_draft(res, stops[:2])
+
+
+def test_a_committed_stop_token_ends_its_row() -> None:
+    """The fuzzer's case (seed 2, 405): a verify committed [30, EOS 2, 198]; plain decoding ends
+    at the EOS, so nothing after it is committed (198 completed the stop string "\\n", which
+    SGLang's multi-token finish check matched first, keeping the EOS and 198)."""
+    eos = frozenset({2})
+    rows = torch.tensor([[7, 30, 2, 198], [7, 30, 2, 198], [7, 2, 5, 6], [7, 8, 9, 10]])
+    predict = torch.tensor([[30, 2, 198, 11], [30, 2, 198, 11], [2, 5, 6, 12], [8, 9, 10, 13]])
+    result = greedy_accept(rows, predict)
+    assert result.accept_lens.tolist() == [4, 4, 4, 4] and result.bonus.all()
+    cut = stop_at_first_stop_token(result, [eos, frozenset(), eos, eos])
+    assert cut.accept_lens.tolist() == [2, 4, 1, 4]  # the EOS kept; ignore_eos: all; none: all
+    assert cut.bonus.tolist() == [False, True, False, True]
+    assert cut.row_tokens(0) == [30, 2] and cut.row_tokens(2) == [2]
+    assert stop_at_first_stop_token(result, [frozenset()] * 4) is result
+
+
+def test_a_stop_token_after_the_rejection_is_not_read() -> None:
+    rows = torch.tensor([[7, 30, 99, 2]])
+    predict = torch.tensor([[30, 4, 2, 2]])  # draft 99 rejected: commits [30, 4]
+    result = greedy_accept(rows, predict)
+    cut = stop_at_first_stop_token(result, [frozenset({2})])
+    assert cut.accept_lens.tolist() == [2] and cut.row_tokens(0) == [30, 4]

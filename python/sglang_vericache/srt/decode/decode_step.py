@@ -51,6 +51,7 @@ from sglang_vericache.srt.decode.batch_inputs import (
 from sglang_vericache.srt.decode.eligibility import StepRows, decode_mode
 from sglang_vericache.srt.decode.request_book import RequestBook
 from sglang_vericache.srt.decode.row_sampling import commit_verify
+from sglang_vericache.srt.decode.stop_tokens import stop_token_ids
 from sglang_vericache.srt.decode.step_costs import (
     joining_contexts,
     plain_shape,
@@ -67,6 +68,7 @@ from sglang_vericache.srt.kv.reinstate import still_demoted
 from sglang_vericache.srt.metrics import VeriCacheExporter
 from sglang_vericache.srt.prefix.draft_ahead import DraftAhead, batch_proposals
 from sglang_vericache.verify import VerifyRecord
+from sglang_vericache.verify.accept import stop_at_first_stop_token
 from sglang_vericache.verify.draft_length import DraftLengthController
 from sglang_vericache.verify.grammar_chain import GrammarChain
 from sglang_vericache.verify.row_acceptance import SampledDrafts, draft_column
@@ -300,6 +302,7 @@ class DecodeStep:
                                  sampled, plain_rows, base.to(self.device))  # fmt: skip
         if grammar is not None:  # an accepted terminating draft is its row's last token
             accepted = grammar.close(accepted, draft_lens)
+        accepted = stop_at_first_stop_token(accepted, [stop_token_ids(r) for r in batch.reqs])
         self._lap(Phase.VERIFY)
         predict, accept_lens = accepted.committed, accepted.accept_lens
         for i in drafted:
