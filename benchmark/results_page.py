@@ -228,6 +228,8 @@ def headline(res: Results) -> list[str]:
         if fuzz:
             answer += (f"; fuzz: {fuzz['requests']} requests, {fuzz['greedy_mismatches']} greedy "
                        f"token differences, {fuzz['server_deaths']} server deaths")  # fmt: skip
+            if fuzz["greedy_mismatches"]:
+                answer += " (see [Request fuzz](#request-fuzz) for the cause and its fix)"
         rows.append(("Is it exact?", answer, res.date("exactness/sweep.json"), "Exactness"))
 
     cap = res.load("capacity.json")
