@@ -206,8 +206,8 @@ FUZZ_LIMITS = """
 Limits, plainly: this run (commit cc79d6e) found one greedy difference: a verify committed an EOS
 and then a newline for a request with a newline stop string; SGLang's multi-token finish check
 matches stop strings first, so the row ended after the newline, where plain decoding ends at the
-EOS. Fixed since (a verify commits nothing after a stop token), with unit and e2e tests; the long
-run is not yet repeated on the fix, and the `no-radix` and `reasoning` profiles not run at length.
+EOS. Fixed since (a verify commits nothing after a stop token); seed 2 re-run on the fix (commit
+1e5ca23): 700 requests, 0 failing (`fuzz_recheck.md`). `no-radix`, `reasoning`: not run at length.
 """
 
 
