@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_offload import D, H_KV, LAYERS, SLOTS, _fill_row, _full_kv, _pools, _tree_slots, _with_tree
+from test_offload import (LAYERS, SLOTS, _fill_row, _full_kv, _tree_slots, _with_host_tier_tree,
+                          _with_tree)  # fmt: skip
 
 from sglang_vericache.srt.prefix.draft_ahead import DraftAhead
 from sglang_vericache.tier.demoted import DemotedPrefixes
@@ -125,21 +126,10 @@ def test_a_finished_turn_comes_back_full_evicting_older_cached_nodes_with_a_tier
 
     from sglang.srt.managers.schedule_batch import ReqKvInfo
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams
-    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
     from sglang.srt.mem_cache.radix_cache import RadixKey
 
-    from sglang_vericache.srt.prefix.radix_cache import VeriCacheRadixCache
-    from sglang_vericache.srt.prefix.remote_prefix import RemotePrefixLink
-    from sglang_vericache.tier.geometry import KVGeometry
-    from sglang_vericache.tier.host import HostTier
-
-    kv, rows, alloc = _pools(1)
-    geometry = KVGeometry("test-model", num_layers=LAYERS, num_kv_heads=H_KV, head_dim=D,
-                          dtype="float32", chunk_tokens=8)  # fmt: skip
-    link = RemotePrefixLink(HostTier(geometry, capacity_bytes=1 << 20))
-    params = CacheInitParams(disable=False, req_to_token_pool=rows,
-                             token_to_kv_pool_allocator=alloc, page_size=1)  # fmt: skip
-    tree = VeriCacheRadixCache(params, LAYERS, verify_width=5, remote=link, fetch_drafting=False)
+    kv, rows, alloc, tree = _with_host_tier_tree(fetch_drafting=False)
+    link = tree.remote
     worker = tree.offloader  # the scheduler's one offloader, the worker's too
     total = alloc.available_size()
 

@@ -292,6 +292,27 @@ def _with_tree(page_size: int):
     return kv, rows, alloc, tree, tree.offloader
 
 
+def _with_host_tier_tree(fetch_drafting: bool):
+    """``_pools`` (page size 1) plus the ``vericache`` prefix tree linked to a host-memory tier
+    of 8-token chunks: (kv, rows, alloc, tree)."""
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+
+    from sglang_vericache.srt.prefix.radix_cache import VeriCacheRadixCache
+    from sglang_vericache.srt.prefix.remote_prefix import RemotePrefixLink
+    from sglang_vericache.tier.geometry import KVGeometry
+    from sglang_vericache.tier.host import HostTier
+
+    kv, rows, alloc = _pools(1)
+    geometry = KVGeometry("test-model", num_layers=LAYERS, num_kv_heads=H_KV, head_dim=D,
+                          dtype="float32", chunk_tokens=8)  # fmt: skip
+    link = RemotePrefixLink(HostTier(geometry, capacity_bytes=1 << 20))
+    params = CacheInitParams(disable=False, req_to_token_pool=rows,
+                             token_to_kv_pool_allocator=alloc, page_size=1)  # fmt: skip
+    tree = VeriCacheRadixCache(params, LAYERS, verify_width=5, remote=link,
+                               fetch_drafting=fetch_drafting)  # fmt: skip
+    return kv, rows, alloc, tree
+
+
 def _tree_slots(tree, tokens: list[int]) -> torch.Tensor:
     """Pool slots of the longest prefix of ``tokens`` the tree holds: [n] int64."""
     from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams

@@ -12,26 +12,15 @@ import pytest
 from sglang_vericache.requests.record import RequestEnd
 from sglang_vericache.srt.decode.request_book import RequestBook
 from sglang_vericache.verify.draft_length import DraftLengthController
-from test_offload import H_KV, LAYERS, D, _fill_row, _pools
+from test_offload import LAYERS, _fill_row, _with_host_tier_tree
 
 pytestmark = pytest.mark.sglang  # SGLang's pool and tree classes; no server
 
 
 def _tree_with_link():
-    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
     from sglang_vericache.srt.context import context_of
-    from sglang_vericache.srt.prefix.radix_cache import VeriCacheRadixCache
-    from sglang_vericache.srt.prefix.remote_prefix import RemotePrefixLink
-    from sglang_vericache.tier.geometry import KVGeometry
-    from sglang_vericache.tier.host import HostTier
 
-    _, rows, alloc = _pools(1)
-    geometry = KVGeometry("test-model", num_layers=LAYERS, num_kv_heads=H_KV, head_dim=D,
-                          dtype="float32", chunk_tokens=8)  # fmt: skip
-    link = RemotePrefixLink(HostTier(geometry, capacity_bytes=1 << 20))
-    params = CacheInitParams(disable=False, req_to_token_pool=rows,
-                             token_to_kv_pool_allocator=alloc, page_size=1)  # fmt: skip
-    tree = VeriCacheRadixCache(params, LAYERS, verify_width=5, remote=link, fetch_drafting=True)
+    _, rows, alloc, tree = _with_host_tier_tree(fetch_drafting=True)
     context = context_of(rows)
     book = RequestBook(DraftLengthController(None, 4), offload_only=False)
     context.requests.join(book)  # as the worker joins at its first forward
