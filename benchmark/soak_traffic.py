@@ -96,23 +96,29 @@ def process_tree(pid: int) -> list[int]:
 
 
 def tree_usage(pid: int) -> dict[str, int]:
-    """``{"rss_bytes", "swap_bytes", "memory_bytes", "fds", "processes"}`` summed over ``pid``'s
-    process tree (processes that end while being read are skipped). ``memory_bytes`` is resident
-    plus swapped-out memory: on a machine that swaps, RSS alone falls while nothing is freed."""
-    rss = swap = fds = procs = 0
+    """``{"rss_bytes", "anon_bytes", "file_bytes", "swap_bytes", "memory_bytes", "fds",
+    "processes"}`` summed over ``pid``'s process tree (processes that end while being read are
+    skipped). ``memory_bytes`` is anonymous resident plus swapped-out memory: what the processes
+    allocated, wherever it is now. RSS alone falls on a machine that swaps while nothing is
+    freed, and its file-backed part (the model's and libraries' mapped pages, which the kernel
+    drops and reads back at will) rises and falls with the machine's pressure, not the server's."""
+    fields = ("VmRSS", "RssAnon", "RssFile", "VmSwap")
+    total = dict.fromkeys(fields, 0)
+    fds = procs = 0
     for p in process_tree(pid):
         try:
             with open(f"/proc/{p}/status") as f:
                 kb = {k: int(v.split()[0]) for k, _, v in (line.partition(":") for line in f)
-                      if k in ("VmRSS", "VmSwap")}  # fmt: skip
+                      if k in fields}  # fmt: skip
             n_fds = len(os.listdir(f"/proc/{p}/fd"))
         except (OSError, ValueError, IndexError):
             continue
-        rss += kb.get("VmRSS", 0) * 1024
-        swap += kb.get("VmSwap", 0) * 1024
+        for k in fields:
+            total[k] += kb.get(k, 0) * 1024
         fds, procs = fds + n_fds, procs + 1
-    return {"rss_bytes": rss, "swap_bytes": swap, "memory_bytes": rss + swap, "fds": fds,
-            "processes": procs}  # fmt: skip
+    return {"rss_bytes": total["VmRSS"], "anon_bytes": total["RssAnon"],
+            "file_bytes": total["RssFile"], "swap_bytes": total["VmSwap"],
+            "memory_bytes": total["RssAnon"] + total["VmSwap"], "fds": fds, "processes": procs}
 
 
 def metric_values(text: str, name: str) -> dict[str, float]:
@@ -148,7 +154,7 @@ def slope(xs: list[float], ys: list[float]) -> float:
     return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
 
 
-TREND_FIELDS = ("memory_bytes", "rss_bytes", "fds", "idle_used_tokens", "tier_bytes_in_flight")
+TREND_FIELDS = ("memory_bytes", "anon_bytes", "rss_bytes", "fds", "idle_used_tokens", "tier_bytes_in_flight")
 
 
 def trends(samples: list[dict[str, Any]], skip_first: int = 1) -> dict[str, dict[str, float]]:

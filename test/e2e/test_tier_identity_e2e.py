@@ -233,16 +233,21 @@ def test_kv_computed_before_an_in_place_update_is_not_filed_under_the_new_weight
     """``pause_generation(mode="in_place")`` keeps a running request and its KV across a
     weight update (SGLang then cannot flush its cache): that KV was computed by the old
     weights and must not be written through under the new weights' identity, nor may the
-    prefix cache's old KV be; once the cache is flushed, writing through resumes."""
+    prefix cache's old KV be; once the cache is flushed, writing through resumes. (The
+    prompt's whole chunks are written as its prefill completes, under the weights that
+    computed them: those land before the update and are the only puts.)"""
     a = server_a
     assert _update(a, perturbed_model)["success"]  # idle: an update SGLang flushes after
     ids = _prompt(tokenizer, "orchard")
     out: dict = {}
     decoding = threading.Event()
-    before = _settled_puts(kv_server)
-    thread = threading.Thread(target=_stream, args=(a, ids, 160, decoding, out))
+    start = _settled_puts(kv_server)
+    thread = threading.Thread(target=_stream, args=(a, ids, 240, decoding, out))
     thread.start()
     assert decoding.wait(timeout=600), "the request never started"
+    prompt_chunks = len(ids) // CHUNK
+    before = _wait_puts(kv_server, start + prompt_chunks)  # under the old (perturbed) identity
+    assert before == start + prompt_chunks, (start, before)
     http_json(a.url + "/pause_generation", {"mode": "in_place"})
     try:
         answer = _update(a, default_model_path)
@@ -251,7 +256,7 @@ def test_kv_computed_before_an_in_place_update_is_not_filed_under_the_new_weight
         http_json(a.url + "/continue_generation", {})
     assert "not flushed" in answer["message"], answer  # SGLang kept the old KV
     thread.join(timeout=600)
-    assert out["meta_info"]["completion_tokens"] == 160, out.get("meta_info")
+    assert out["meta_info"]["completion_tokens"] == 240, out.get("meta_info")
     assert _settled_puts(kv_server) == before, "old-weight KV written under the new identity"
     # a new request on the unflushed cache: its prompt's first chunks are the old KV
     _generate(a, {"input_ids": ids + tokenizer.encode(" Summary:")})
