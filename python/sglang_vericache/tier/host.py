@@ -16,6 +16,7 @@ from typing import Sequence
 
 import torch
 
+from sglang_vericache.host_memory import host_empty
 from sglang_vericache.tier.base import (
     FullKVTier, TaskId, TaskKind, TaskResult, TaskStatus, check_batch, prefix_closed,
 )
@@ -60,7 +61,7 @@ class HostTier(FullKVTier):
                 ok.append(False)
                 self._counters["put_rejected"] += 1
                 continue
-            host = torch.empty(chunk.shape, dtype=chunk.dtype, pin_memory=self.pin_memory)
+            host = host_empty(chunk.shape, chunk.dtype, pin_memory=self.pin_memory)
             host.copy_(chunk, non_blocking=chunk.is_cuda and self.pin_memory)
             staged.append((key, host))
             ok.append(True)

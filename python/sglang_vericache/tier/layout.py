@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 import torch
 
+from sglang_vericache.host_memory import host_empty
 from sglang_vericache.tier.geometry import KVGeometry
 
 
@@ -38,8 +39,10 @@ def join_chunks(chunks: Sequence[torch.Tensor]) -> torch.Tensor:
 def alloc_chunks(geometry: KVGeometry, num_tokens: int, device: torch.device | str = "cpu",
                  pin_memory: bool = False) -> list[torch.Tensor]:
     """Empty destination buffers for ``submit_fetch`` covering ``num_tokens`` tokens."""
-    return [torch.empty(geometry.chunk_shape(n), dtype=geometry.torch_dtype, device=device,
-                        pin_memory=pin_memory)
+    if torch.device(device).type == "cpu":
+        return [host_empty(geometry.chunk_shape(n), geometry.torch_dtype, pin_memory=pin_memory)
+                for n in geometry.chunk_lengths(num_tokens)]  # fmt: skip
+    return [torch.empty(geometry.chunk_shape(n), dtype=geometry.torch_dtype, device=device)
             for n in geometry.chunk_lengths(num_tokens)]
 
 

@@ -31,6 +31,8 @@ from typing import Any, Callable, Protocol
 import torch
 from torch import Tensor
 
+from sglang_vericache.host_memory import host_empty
+
 # Committed tokens collected in a device pool before they move to the host (amortises the
 # transfer; a host-memory pool moves every token: ``PoolOffloader.tail_tokens``).
 TAIL_CHUNK = 32
@@ -63,10 +65,8 @@ class HostKV:
         self.length = 0
 
     def _alloc(self, capacity: int) -> Tensor:
-        pin = torch.cuda.is_available()
-        return torch.empty(
-            (*self._shape, capacity, self._head_dim), dtype=self._dtype, pin_memory=pin
-        )
+        return host_empty((*self._shape, capacity, self._head_dim), self._dtype,
+                          pin_memory=torch.cuda.is_available())
 
     def append(self, n: int, read: Callable[[int], tuple[Tensor, Tensor]]) -> None:
         """Append ``n`` tokens after ``length``: read(layer) -> (K, V), each [H_kv, n, D] in the
