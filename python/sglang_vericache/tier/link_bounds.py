@@ -57,6 +57,16 @@ class LinkBounds:
         return self.lookup_deadline_s + self.fetch_overdue_factor * nbytes / rate
 
 
+def fetch_pays(nbytes: int, tokens: int, fetch_bytes_per_s: float,
+               prefill_tokens_per_s: float) -> bool:  # fmt: skip
+    """Whether fetching ``nbytes`` (the KV of ``tokens``) is predicted no slower than
+    recomputing them: a fast GPU on a slow link recomputes, a CPU on a fast link fetches.
+    Nothing to fetch, or either rate unmeasured (0): it fetches (measuring the link)."""
+    if not nbytes or fetch_bytes_per_s <= 0 or prefill_tokens_per_s <= 0:
+        return True
+    return nbytes / fetch_bytes_per_s <= tokens / prefill_tokens_per_s
+
+
 @dataclass(slots=True)
 class RemoteCounters:
     lookups: int = 0
