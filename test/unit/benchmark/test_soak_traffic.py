@@ -67,7 +67,14 @@ def test_metric_values_reads_labelled_samples_of_one_metric() -> None:
 def test_tree_usage_counts_this_process() -> None:
     usage = tree_usage(os.getpid())
     assert usage["processes"] >= 1 and usage["rss_bytes"] > 10 * 2**20 and usage["fds"] >= 3
-    assert usage["memory_bytes"] == usage["rss_bytes"] + usage["swap_bytes"]
+    assert usage["memory_bytes"] == usage["anon_bytes"] + usage["swap_bytes"]
+    assert 0 < usage["anon_bytes"] <= usage["rss_bytes"] and usage["file_bytes"] > 0
+    import torch
+
+    before = tree_usage(os.getpid())["anon_bytes"]
+    held = torch.ones(64 * 2**20 // 4)  # 64 MiB written: anonymous memory, not file pages
+    assert tree_usage(os.getpid())["anon_bytes"] - before >= 48 * 2**20
+    del held
 
 
 def test_only_token_differences_count_as_greedy_mismatches() -> None:
