@@ -35,7 +35,7 @@ def _req(rid: str, max_new: int = 200, output: int = 0):
 def _demoted_row(spec: str):
     """A drafted row offloaded at its prompt (its compressed KV in its draft row), then demoted
     for admission as ``_demote_for_room`` does; its next ``COOLDOWN_TOKENS`` decoded plainly."""
-    from sglang_vericache.verify.draft_length import DraftLengthController
+    from sglang_vericache.requests.table import RequestTable
     from sglang_vericache.srt.kv.draft_state import RequestDraftState
     from sglang_vericache.srt.kv.offloader import PoolOffloader
     from sglang_vericache.srt.decode.request_book import RequestBook
@@ -49,7 +49,7 @@ def _demoted_row(spec: str):
                                     LAYERS)  # fmt: skip
     off.offload(ROW, 0, PROMPT, state=state)
     assert off.ledger.reserved(ROW) > 0
-    book = RequestBook(DraftLengthController(None, 4), offload_only=False)
+    book = RequestBook(RequestTable(), offload_only=False, fixed=None, max_drafts=4)
     book.states["r"] = state
     book.demote("r", PROMPT)
     off.release_reserved(ROW)

@@ -11,7 +11,6 @@ from types import SimpleNamespace
 import pytest
 from sglang_vericache.requests.record import RequestEnd
 from sglang_vericache.srt.decode.request_book import RequestBook
-from sglang_vericache.verify.draft_length import DraftLengthController
 from test_offload import LAYERS, _fill_row, _with_host_tier_tree
 
 pytestmark = pytest.mark.sglang  # SGLang's pool and tree classes; no server
@@ -22,8 +21,7 @@ def _tree_with_link():
 
     _, rows, alloc, tree = _with_host_tier_tree(fetch_drafting=True)
     context = context_of(rows)
-    book = RequestBook(DraftLengthController(None, 4), offload_only=False)
-    context.requests.join(book)  # as the worker joins at its first forward
+    book = RequestBook(context.requests, offload_only=False, fixed=None, max_drafts=4)
     return rows, alloc, tree, context, book
 
 
@@ -71,8 +69,8 @@ def test_every_end_of_a_request_leaves_nothing_behind() -> None:
     # aborted while queued: its tier lookup was in flight, it never held a row
     table.open("queued")
     tree.remote.probe("queued", list(range(64)), 0)
-    tree.ahead._declined.add("queued")
-    assert tree.remote.tracked_rids() == {"queued"}
+    tree.ahead._declined["queued"] = True
+    assert "queued" in tree.remote.pending and table.get("queued").lookup is not None
     tree.release_aborted_request(CacheRequestHandle(rid="queued", attempt_id=0))
     assert table.ended("queued") is RequestEnd.ABORTED_QUEUED
 

@@ -1,11 +1,11 @@
-"""srt/decode/request_book.py: one home for the worker's per-request tables, and StepRows.without."""
+"""srt/decode/request_book.py: the worker's per-request fields (in the records), and StepRows.without."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
+from sglang_vericache.requests.record import RequestEnd
 from sglang_vericache.requests.table import RequestTable
-from sglang_vericache.verify.draft_length import DraftLengthController
 from sglang_vericache.srt.decode.eligibility import StepRows
 from sglang_vericache.srt.decode.request_book import DEMOTED, OFFLOAD_ONLY, Demotion, RequestBook
 from sglang_vericache.verify import VeriCacheStats, VerifyRecord
@@ -21,7 +21,8 @@ def _req(rid: str, **sampling):
 
 
 def test_a_demoted_request_is_plain_offloaded_and_drafts_again_once_reinstated() -> None:
-    book = RequestBook(DraftLengthController(None, 4), offload_only=False)
+    table = RequestTable()
+    book = RequestBook(table, offload_only=False, fixed=None, max_drafts=4)
     stats = VeriCacheStats()
     stats.record(VerifyRecord(drafted=4, committed=3, bytes_fetched=0, wait_full_s=0.0))
     book.states["a"] = SimpleNamespace(stats=stats, nbytes=400, covered=40)  # a drafted request
@@ -55,24 +56,27 @@ def test_a_demoted_request_is_plain_offloaded_and_drafts_again_once_reinstated()
     book.demote("a", 90)  # a second demotion counts on
     assert book.demotions["a"].count == 2 and book.demotions["a"].at_length == 90
     book.check_integrity()
-    table = RequestTable()  # the book forgets only when the request table closes a request
-    table.join(book)
-    table.note_decoding(["a", "b", "x"])
+    assert table.get("a").demotion.count == 2 and table.get("a").acceptance is not None
+    table.note_decoding(["a", "b", "x"])  # the fields go only when the table closes a request
     assert sorted(table.keep_only({"x"})) == ["a", "b"]
     assert len(book) == 0 and "a" not in book.draft_length.estimates and not book.demotions
     table.check_integrity()
 
 
-def test_plain_reasons_and_forget() -> None:
-    book = RequestBook(DraftLengthController(None, 4), offload_only=False)
+def test_plain_reasons_and_a_close_drops_them() -> None:
+    table = RequestTable()
+    book = RequestBook(table, offload_only=False, fixed=None, max_drafts=4)
     book.note_plain(_req("p", repetition_penalty=1.2))
     assert "penalt" in book.stats("p").plain_reason and not book.offloads_plainly("p")
     book.note_plain(_req("p"), "another reason")  # keeps its first reason
     assert "penalt" in book.stats("p").plain_reason
-    only = RequestBook(DraftLengthController(0, 4), offload_only=True)
+    only = RequestBook(RequestTable(), offload_only=True, fixed=0, max_drafts=4)
     only.note_plain(_req("o"))
     assert only.stats("o").plain_reason == OFFLOAD_ONLY and only.offloads_plainly("o")
     book.ahead_used["p"] = [3, 1]
-    book.forget("p")
-    book.forget("p")  # idempotent
+    book.after_prefill["p"] = lambda: None
+    book.after_prefill["q"] = lambda: None
+    assert len(book.take_after_prefill()) == 2 and not book.after_prefill
+    table.close("p", RequestEnd.RELEASED)
+    table.close("p", RequestEnd.RELEASED)  # idempotent
     assert len(book) == 0 and not book.ahead_used

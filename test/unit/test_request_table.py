@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 from sglang_vericache.requests.record import RequestEnd, VeriRequest
-from sglang_vericache.requests.table import CLOSED_REMEMBERED, RequestTable
+from sglang_vericache.requests.record import STATE_FIELDS
+from sglang_vericache.requests.table import CLOSED_REMEMBERED, RecordField, RequestTable
 
 
 class Holder:
@@ -25,6 +26,10 @@ class Holder:
 
     def held_rows(self) -> set[int]:
         return set(self.rows)
+
+
+def _nonzero(counts: dict[str, int]) -> dict[str, int]:
+    return {name: n for name, n in counts.items() if n}
 
 
 def _table(*names: str) -> tuple[RequestTable, list[Holder]]:
@@ -59,7 +64,7 @@ def test_close_tells_every_participant_drops_the_record_and_its_row() -> None:
     table.after_close.append(lambda: closed.append(len(table)))
     table.bind_row("a", 1)
     worker.entries["a"] = link.entries["a"] = 1
-    assert table.entry_counts() == {"records": 1, "worker": 1, "link": 1}
+    assert _nonzero(table.entry_counts()) == {"records": 1, "worker": 1, "link": 1}
     assert table.close("a", RequestEnd.RELEASED)
     assert worker.forgotten == link.forgotten == ["a"] and not worker.entries and not link.entries
     assert len(table) == 0 and table.rid_at(1) is None and closed == [0]
@@ -123,7 +128,7 @@ def test_integrity_fails_on_a_row_held_for_no_live_request() -> None:
     table.bind_row("a", 7)
     ledger.rows.add(7)
     table.check_integrity()
-    assert table.entry_counts() == {"records": 1, "offload ledger rows": 1}
+    assert _nonzero(table.entry_counts()) == {"records": 1, "offload ledger rows": 1}
     table.close("a", RequestEnd.RELEASED)  # the row's host range was not dropped
     with pytest.raises(AssertionError, match=r"offload ledger holds rows \[7\]"):
         table.check_integrity()
@@ -165,3 +170,30 @@ def test_closed_ids_remembered_are_bounded() -> None:
         table.close(str(i), RequestEnd.RELEASED)
     assert table.ended("0") is None and table.ended(str(CLOSED_REMEMBERED + 9))
     assert len(table._closed) == CLOSED_REMEMBERED
+
+
+def test_a_record_field_is_a_mapping_whose_entries_go_with_the_record() -> None:
+    """A component's per-request state is a field of the record: setting it opens the record,
+    closing the record drops every field at once, and nothing can be held for a closed id."""
+    table = RequestTable()
+    drafts, lookups = table.field("draft"), table.field("lookup")
+    assert isinstance(drafts, RecordField) and len(drafts) == 0 and "a" not in drafts
+    drafts["a"] = "state of a"  # opens a's record
+    lookups["a"], lookups["b"] = "lookup of a", "lookup of b"
+    assert table.get("a").draft == "state of a" and sorted(table.records) == ["a", "b"]
+    assert list(drafts) == ["a"] and dict(lookups) == {"a": "lookup of a", "b": "lookup of b"}
+    assert drafts.get("b") is None and drafts.pop("b", None) is None
+    with pytest.raises(KeyError):
+        del drafts["b"]
+    with pytest.raises(ValueError, match="delete it instead"):
+        drafts["a"] = None
+    counts = table.entry_counts()
+    assert set(STATE_FIELDS) <= counts.keys()  # every field is counted, 0 or not
+    assert _nonzero(counts) == {"records": 2, "draft": 1, "lookup": 2}
+    table.close("a", RequestEnd.RELEASED)
+    assert "a" not in drafts and "a" not in lookups and list(lookups) == ["b"]
+    assert lookups.pop("b") == "lookup of b" and table.get("b").lookup is None
+    assert len(table) == 1  # b's record lives on (only its field went)
+    table.check_integrity()
+    with pytest.raises(ValueError, match="not a request state field"):
+        table.field("row")

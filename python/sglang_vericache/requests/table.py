@@ -1,11 +1,15 @@
 """Every live request's record, keyed by request id, with a row -> request index, and the ONE
 way a request's state is dropped: ``close(rid)``.
 
-A request's VeriCache state is spread over the components that own it (each keeps its logic
-and its entries): the worker's ``RequestBook`` and draft-length estimates, the remote tier
-link's lookups and fetch claims, drafting ahead, the tier eligibility stamps, the offload
-ledger's admission asks. Each ``join``s the table as a ``RequestParticipant``; ``close(rid)``
-tells every one of them to forget ``rid``, whichever way the request ended:
+A request's VeriCache state is the fields of its record (``record.py``): the worker's drafted
+or plain state, demotion, after-prefill work and acceptance estimate; the tier link's lookup;
+drafting ahead; the tier eligibility stamp. Components read and write them through
+``RecordField`` views (a ``MutableMapping`` from request id to one field), so closing the
+record drops all of it. A component whose fields stand for a resource (a tier task to cancel, a
+drafting job to stop, fetch buffers to release) or that keeps a structure shared between
+requests (the fetch cache's claims, the admission queue's asks) ``join``s the table as a
+``RequestParticipant``: ``close(rid)`` calls its ``forget(rid)`` while the record still holds
+its fields, whichever way the request ended:
 
 - SGLang released its row (finished, at prefill too; aborted mid-step; retracted): the prefix
   cache's ``on_release``;
@@ -23,24 +27,25 @@ its id). Scheduler thread only.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
-from typing import Protocol
+from collections.abc import Callable, Iterable, Iterator, MutableMapping
+from typing import Any, Protocol
 
-from sglang_vericache.requests.record import RequestEnd, VeriRequest
+from sglang_vericache.requests.record import STATE_FIELDS, RequestEnd, VeriRequest
 
 CLOSED_REMEMBERED = 4096  # closed ids checked against leftovers (check_integrity)
 
 
 class RequestParticipant(Protocol):
-    """A component that keeps entries per request id."""
+    """A component told of every close: it releases what ``rid``'s fields stand for, and drops
+    any entry for ``rid`` it keeps in a structure shared between requests."""
 
     participant_name: str
 
     def forget(self, rid: str) -> None:
-        """Drop every entry held for ``rid`` (idempotent; nothing held: nothing to do)."""
+        """``rid`` closes (its record, if live, still holds its fields). Idempotent."""
 
     def tracked_rids(self) -> set[str]:
-        """The request ids it holds an entry for."""
+        """The request ids its shared structures hold an entry for (none: an empty set)."""
 
 
 class RowHolder(Protocol):
@@ -50,6 +55,52 @@ class RowHolder(Protocol):
 
     def held_rows(self) -> set[int]:
         """Pool rows it holds an entry for."""
+
+
+class RecordField(MutableMapping[str, Any]):
+    """Request id -> one state field of each live record (``record.STATE_FIELDS``); a record
+    whose field is None has no entry. Setting one opens the record where it is not live (as
+    the component that sets it starts the request's life there); deleting sets None. Iteration
+    is in record order (the order requests opened) over a snapshot.
+
+    ``table`` is the table, or what finds it on use: the worker is built before SGLang makes
+    the pool the table hangs on (``srt/context.py``)."""
+
+    def __init__(self, table: RequestTable | Callable[[], RequestTable], name: str) -> None:
+        if name not in STATE_FIELDS:
+            raise ValueError(f"{name!r} is not a request state field: one of {STATE_FIELDS}")
+        self._table = table if callable(table) else (lambda: table)
+        self.name = name
+
+    def __getitem__(self, rid: str) -> Any:
+        record = self._table().records.get(rid)
+        value = None if record is None else getattr(record, self.name)
+        if value is None:
+            raise KeyError(rid)
+        return value
+
+    def __setitem__(self, rid: str, value: Any) -> None:
+        if value is None:
+            raise ValueError(f"{self.name} of {rid}: None is 'no entry' (delete it instead)")
+        setattr(self._table().open(rid), self.name, value)
+
+    def __delitem__(self, rid: str) -> None:
+        record = self._table().records.get(rid)
+        if record is None or getattr(record, self.name) is None:
+            raise KeyError(rid)
+        setattr(record, self.name, None)
+
+    def __iter__(self) -> Iterator[str]:
+        name, records = self.name, self._table().records
+        return iter([rid for rid, r in records.items() if getattr(r, name) is not None])
+
+    def __len__(self) -> int:
+        name = self.name
+        return sum(1 for r in self._table().records.values() if getattr(r, name) is not None)
+
+    def __contains__(self, rid: object) -> bool:
+        record = self._table().records.get(rid)  # type: ignore[arg-type]
+        return record is not None and getattr(record, self.name) is not None
 
 
 class RequestTable:
@@ -98,10 +149,17 @@ class RequestTable:
         """How ``rid`` was last closed, while it is closed and remembered; None otherwise."""
         return self._closed.get(rid)
 
+    def field(self, name: str) -> RecordField:
+        """A view of state field ``name`` of every live record (``RecordField``)."""
+        return RecordField(self, name)
+
     def entry_counts(self) -> dict[str, int]:
-        """Live records, and the entries each participant and row holder keeps: all 0 when
-        the server is idle (``vericache:request_entries``)."""
+        """Live records, the records holding each state field, and the entries each
+        participant keeps in its shared structures and each row holder keeps: all 0 when the
+        server is idle (``vericache:request_entries``)."""
         counts = {"records": len(self.records)}
+        for name in STATE_FIELDS:
+            counts[name] = sum(1 for r in self.records.values() if getattr(r, name) is not None)
         for p in self._participants:
             counts[p.participant_name] = counts.get(p.participant_name, 0) + len(p.tracked_rids())
         for h in self._row_holders:
@@ -142,9 +200,10 @@ class RequestTable:
             self.open(rid).decoding = True
 
     def close(self, rid: str, end: RequestEnd) -> bool:
-        """Every participant forgets ``rid``; its record and row binding go. Idempotent (the
-        participants are told again: a component may have taken an entry since). Returns
-        whether a live record was closed."""
+        """Every participant forgets ``rid`` (its record still live); then the record, every
+        state field with it, and its row binding go. Idempotent (the participants are told
+        again: a component may have taken an entry since). Returns whether a live record was
+        closed."""
         for participant in self._participants:
             participant.forget(rid)
         record = self.records.pop(rid, None)
@@ -185,6 +244,7 @@ class RequestTable:
             if record.row is not None:
                 assert self._by_row.get(record.row) == rid, f"{rid}'s row {record.row} unindexed"
             assert rid not in self._closed, f"{rid} both live and closed"
+            record.check_integrity()
         for holder in self._row_holders:
             stray = holder.held_rows() - self._by_row.keys()
             assert not stray, f"{holder.participant_name} holds rows {sorted(stray)} of no live request"

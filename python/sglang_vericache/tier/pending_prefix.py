@@ -5,6 +5,7 @@ the waiting requests and their shared chunk claims agree."""
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -53,7 +54,7 @@ class PendingPrefix:
         return max(left, 0) / fetch_bytes_per_s
 
 
-def check_pending(pending: dict[str, PendingPrefix], fetches: SharedFetches) -> None:
+def check_pending(pending: Mapping[str, PendingPrefix], fetches: SharedFetches) -> None:
     """Requests' phases and their chunk claims agree: a request claims chunks exactly while
     its fetch runs or its KV waits to be taken (FETCH, READY), one claim per chunk it wants;
     a lookup has its task; nobody else claims anything. Then ``fetches``' own integrity."""

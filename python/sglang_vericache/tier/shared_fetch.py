@@ -21,6 +21,7 @@ thread-safe: the scheduler thread only.
 from __future__ import annotations
 
 import time
+from collections.abc import MutableMapping
 from dataclasses import dataclass, field
 
 from torch import Tensor
@@ -48,11 +49,14 @@ class _Task:
 class SharedFetches:
     """Chunk fetches shared by the requests waiting for them (module doc)."""
 
-    def __init__(self, tier: FullKVTier) -> None:
+    def __init__(self, tier: FullKVTier,
+                 claims: MutableMapping[str, list[_Chunk]] | None = None) -> None:  # fmt: skip
+        """claims: where each request's claimed chunks are kept, in order (a server's: its
+        request record's ``fetch_claims``); a dict by default."""
         self.tier = tier
         self._shared: dict[bytes, _Chunk] = {}  # digest -> the chunk a new claim shares
         self._tasks: dict[TaskId, _Task] = {}
-        self._claims: dict[str, list[_Chunk]] = {}  # rid -> its chunks, in order
+        self._claims: MutableMapping[str, list[_Chunk]] = {} if claims is None else claims
 
     def new_bytes(self, keys: list[ChunkKey]) -> int:
         """Host bytes ``want(keys)`` would add (chunks nobody is fetching, or that failed)."""

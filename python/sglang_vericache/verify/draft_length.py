@@ -12,7 +12,7 @@ what full attention costs.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from collections.abc import MutableMapping, Sequence
 
 from sglang_vericache.verify.policy import AcceptanceConfig, AcceptanceEstimate
 from sglang_vericache.verify.step_cost import ForwardKind, ForwardShape
@@ -41,11 +41,15 @@ class DraftLengthController:
     through ``observe_forward`` and every verification through ``observe``.
     """
 
-    def __init__(self, fixed: int | None, max_drafts: int) -> None:
+    def __init__(self, fixed: int | None, max_drafts: int,
+                 estimates: MutableMapping[str, AcceptanceEstimate] | None = None) -> None:
+        """estimates: where each request's acceptance estimate is kept (the server's: its
+        record's ``acceptance`` field, dropped when the request closes); a dict by default."""
         self.fixed = fixed
         self.max_drafts = max_drafts
         self.planner = StepPlanner(min(2, max_drafts), max_drafts)
-        self.estimates: dict[str, AcceptanceEstimate] = {}
+        self.estimates: MutableMapping[str, AcceptanceEstimate] = (
+            {} if estimates is None else estimates)
 
     def plan(self, rows: Sequence[StepRow], joining: Sequence[int] = ()) -> StepDecision:
         """``joining``: contexts of waiting requests the drafted rows' compressed KV keeps out
@@ -66,10 +70,10 @@ class DraftLengthController:
         self.planner.observe(kind, shape, seconds)
 
     def _estimate(self, rid: str) -> AcceptanceEstimate:
-        return self.estimates.setdefault(rid, AcceptanceEstimate(AcceptanceConfig()))
-
-    def forget(self, rid: str) -> None:
-        self.estimates.pop(rid, None)
+        estimate = self.estimates.get(rid)
+        if estimate is None:
+            estimate = self.estimates[rid] = AcceptanceEstimate(AcceptanceConfig())
+        return estimate
 
 
 def ewma(previous: float, sample: float) -> float:

@@ -268,8 +268,11 @@ def test_kv_spanning_a_weight_change_is_not_eligible() -> None:
     neither looked up nor written through; after a reset both work again."""
     from sglang_vericache.srt.prefix.tier_eligibility import TierEligibility
 
-    weights = {"generation": 0}
-    rule = TierEligibility(lambda: weights["generation"])
+    from sglang_vericache.requests.record import RequestEnd
+    from sglang_vericache.requests.table import RequestTable
+
+    weights, table = {"generation": 0}, RequestTable()
+    rule = TierEligibility(lambda: weights["generation"], table)
     req = SimpleNamespace(rid="r")
     assert not rule.may_write(req)  # never matched: nothing known of its KV
     assert rule.matched(req) and rule.may_write(req)
@@ -279,7 +282,8 @@ def test_kv_spanning_a_weight_change_is_not_eligible() -> None:
     assert not rule.matched(later) and not rule.may_write(later)  # the cache is old KV
     rule.tree_reset()  # SGLang flushed the cache
     assert rule.matched(later) and rule.may_write(later)
-    rule.forget("later")
+    assert table.get("later").tier_generation == 1  # the stamp is the record's
+    table.close("later", RequestEnd.RELEASED)  # it ended: its stamp went with its record
     assert not rule.may_write(later)
 
 

@@ -1,15 +1,16 @@
-"""Every request the worker holds VeriCache state for, in one place.
+"""The worker's view of its requests' state, which lives in their records.
 
-From its prefill until it leaves, a request is in exactly one of two tables:
+From its prefill until it leaves, a request has exactly one of two fields of its record
+(``requests/record.py``), seen here as ``rid``-keyed mappings (``RecordField``):
 
-- ``states``: drafted (greedy or sampled rows): its compressed KV and counters
+- ``states`` (``draft``): drafted (greedy or sampled rows): its compressed KV and counters
   (``RequestDraftState``);
 - ``plain``: decoded plainly, with its counters and why (``VeriCacheStats.plain``). Plain rows
   whose full KV is offloaded (``OFFLOAD_ONLY``: ``--vericache-draft-len 0``; ``DEMOTED``: its
   compressed KV was dropped to make room where drafting did not pay) move every committed
   token's KV to the host too.
 
-A demoted request also has a ``demotions`` record (``Demotion``: when, how often, what its
+A demoted request also has a ``demotions`` entry (``Demotion``: when, how often, what its
 compressed KV weighed), kept while it lives: once room returns it is ``reinstate``d (its
 compressed KV rebuilt, back in ``states``: ``srt/kv/reinstate.py``), and a later demotion counts on.
 
@@ -18,11 +19,9 @@ work: building its compressed KV and moving its full KV to the host, left until 
 token has gone out (the worker runs it first thing in its next forward).
 
 ``ahead_used`` (drafts made while its prefix was fetched, and how many went to verify) and the
-draft-length controller's acceptance estimate ride along. ``forget`` drops all of it
-(idempotent), and only the request table calls it: the book is a participant of the
-scheduler's ``RequestTable`` (``requests/table.py``), whose ``close`` is the one way a request
-ends, whichever way it ended (released: finished, at prefill too, aborted, retracted; aborted
-while queued; gone from the decode batch). Scheduler thread only.
+draft-length controller's acceptance estimate ride along. Nothing here forgets a request: the
+request table's ``close`` (``requests/table.py``), the one way a request ends, drops its record
+and every field with it. Scheduler thread only.
 """
 
 from __future__ import annotations
@@ -30,6 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
+from sglang_vericache.requests.table import RecordField, RequestTable
 from sglang_vericache.verify.draft_length import DraftLengthController
 from sglang_vericache.srt.kv.draft_state import RequestDraftState
 from sglang_vericache.srt.decode.eligibility import plain_reason, whole_step_reason
@@ -54,26 +54,32 @@ class Demotion:
 
 
 class RequestBook:
-    """The worker's per-request tables (module doc). ``offload_only``: every request is plain
-    with ``OFFLOAD_ONLY``."""
+    """The worker's per-request fields (module doc), over ``requests``' records.
+    ``offload_only``: every request is plain with ``OFFLOAD_ONLY``. ``draft_length``'s
+    acceptance estimates are the records' ``acceptance``."""
 
-    def __init__(self, draft_length: DraftLengthController, offload_only: bool) -> None:
-        self.draft_length = draft_length
+    def __init__(self, requests: RequestTable | Callable[[], RequestTable], offload_only: bool,
+                 fixed: int | None, max_drafts: int) -> None:  # fmt: skip
+        """requests: the table, or what finds it on use (``RecordField``)."""
+        self._requests = requests if callable(requests) else (lambda: requests)
         self.offload_only = offload_only
-        self.states: dict[str, RequestDraftState] = {}
-        self.plain: dict[str, VeriCacheStats] = {}
-        self.ahead_used: dict[str, list[int]] = {}
-        self.after_prefill: dict[str, Callable[[], None]] = {}
-        self.demotions: dict[str, Demotion] = {}
+        self.draft_length = DraftLengthController(
+            fixed, max_drafts, estimates=RecordField(self._requests, "acceptance"))
+        self.states = RecordField(self._requests, "draft")
+        self.plain = RecordField(self._requests, "plain")
+        self.ahead_used = RecordField(self._requests, "ahead_used")
+        self.after_prefill = RecordField(self._requests, "after_prefill")
+        self.demotions = RecordField(self._requests, "demotion")
 
     def __len__(self) -> int:
-        """Requests tracked (0 when idle: nothing leaked)."""
-        return len(self.states | self.plain | self.after_prefill | self.demotions)
+        """Requests with a drafted, plain, after-prefill or demotion field (0 when idle)."""
+        return len(self.states.keys() | self.plain.keys() | self.after_prefill.keys()
+                   | self.demotions.keys())  # fmt: skip
 
     def take_after_prefill(self) -> list[Callable[[], None]]:
-        """The pending after-prefill work, in prefill order; the table is empty after."""
-        work, self.after_prefill = list(self.after_prefill.values()), {}
-        return work
+        """The pending after-prefill work, in the order the requests opened; none is left."""
+        rids = list(self.after_prefill)
+        return [self.after_prefill.pop(rid) for rid in rids]
 
     def stats(self, rid: str) -> VeriCacheStats | None:
         state = self.states.get(rid)
@@ -115,29 +121,11 @@ class RequestBook:
         plain = self.plain.get(rid)
         return plain is not None and plain.plain_reason in (OFFLOAD_ONLY, DEMOTED)
 
-    # -- its part in the request table (requests/table.py) ------------------------------------
-
-    participant_name = "worker"
-
-    def tracked_rids(self) -> set[str]:
-        """Every request any of the book's tables (and the acceptance estimates) holds."""
-        return (self.states.keys() | self.plain.keys() | self.ahead_used.keys()
-                | self.after_prefill.keys() | self.demotions.keys()
-                | self.draft_length.estimates.keys())  # fmt: skip
-
-    def forget(self, rid: str) -> None:
-        self.after_prefill.pop(rid, None)  # finished at prefill, or aborted before its next step
-        self.states.pop(rid, None)
-        self.plain.pop(rid, None)
-        self.demotions.pop(rid, None)
-        self.ahead_used.pop(rid, None)  # reported in meta_info["vericache"] until now
-        self.draft_length.forget(rid)
-
     def check_integrity(self) -> None:
-        assert not self.states.keys() & self.plain.keys(), "a request both drafted and plain"
+        """Each record's own (``VeriRequest.check_integrity``), and: a plain request has its
+        reason, a demoted one its demotion."""
+        self._requests().check_integrity()
         for rid, stats in self.plain.items():
             assert stats.plain_reason, f"plain request {rid} without a reason"
             if stats.plain_reason == DEMOTED:
                 assert rid in self.demotions, f"demoted request {rid} without its record"
-        for rid in self.demotions:
-            assert rid in self.states or rid in self.plain, f"demotion record of {rid} outlived it"

@@ -59,10 +59,8 @@ from sglang_vericache.srt.decode.batch_inputs import (
     spec_result,
 )
 from sglang_vericache.srt.decode.decode_step import DecodeStep, lap
-from sglang_vericache.requests.table import RequestTable
 from sglang_vericache.srt.context import context_of
 from sglang_vericache.srt.prefix.draft_ahead import DraftAhead
-from sglang_vericache.verify.draft_length import DraftLengthController
 from sglang_vericache.srt.attention.draft_precision import DraftPrecision, choose_draft_format
 from sglang_vericache.srt.kv.draft_state import RequestDraftState
 from sglang_vericache.srt.decode.eligibility import (
@@ -74,6 +72,7 @@ from sglang_vericache.srt.kv.full_kv_stage import FullKVStager
 from sglang_vericache.srt.metrics import VeriCacheExporter, request_meta_info
 from sglang_vericache.srt.kv.offloader import PoolOffloader, shared_offloader
 from sglang_vericache.srt.hooks.patches import publish_meta_info
+from sglang_vericache.requests.table import RequestTable
 from sglang_vericache.srt.decode.request_book import RequestBook
 from sglang_vericache.verify.stats import DecodeMode
 from sglang_vericache.verify.step_profile import Phase, StepClock
@@ -97,17 +96,18 @@ class VeriCacheWorker(BaseSpecWorker):
         self.speculative_num_draft_tokens = int(server_args.speculative_num_draft_tokens)
         self.num_layers = self.model_runner.model_config.num_hidden_layers
         self._offloader: PoolOffloader | None = None
-        self._requests: RequestTable | None = None
         self._stager: FullKVStager | None = None
         self._ahead: DraftAhead | None = None
         self.clock = StepClock()  # where each decode step's time goes (metrics, step profile)
         # --vericache-draft-len 0: the offload-only baseline (full KV off the device, no drafts)
         self.offload_only = self.config.draft_len == 0
-        self.draft_length = DraftLengthController(
-            None if self.offload_only else self.config.draft_len,
-            self.speculative_num_draft_tokens - 1,
-        )
-        self.book = RequestBook(self.draft_length, self.offload_only)
+        # every request's state is in its record, in the scheduler's request table (found on
+        # first use: SGLang makes the pool it hangs on after this worker)
+        self._requests: RequestTable | None = None
+        self.book = RequestBook(lambda: self.requests, self.offload_only,
+                                None if self.offload_only else self.config.draft_len,
+                                self.speculative_num_draft_tokens - 1)  # fmt: skip
+        self.draft_length = self.book.draft_length
         self.states = self.book.states  # rid -> RequestDraftState of each drafted request
         # Draws of sampled rows without a sampling_seed (seeded rows hash their own seed), seeded
         # like SGLang's sampler: --random-seed as the target worker resolved it.
@@ -196,11 +196,10 @@ class VeriCacheWorker(BaseSpecWorker):
 
     @property
     def requests(self) -> RequestTable:
-        """The scheduler's request table: the book is told through it when a request closes
-        (released, aborted while queued, gone from the decode batch), never directly."""
+        """The scheduler's request table (``srt/context.py``), found on first use."""
         if self._requests is None:
             self._requests = context_of(self.model_runner.req_to_token_pool).requests
-            self._requests.join(self.book)
+            # the server may be idle after a close, with no forward left to publish the gauges
             self._requests.after_close.append(self._publish_placement)
         return self._requests
 

@@ -38,6 +38,7 @@ from typing import Any, Sequence
 
 import torch
 
+from sglang_vericache.requests.table import RequestTable
 from sglang_vericache.verify.draft_length import ewma
 from sglang_vericache.srt.prefix.llama_drafter import LlamaDrafter
 from sglang_vericache.tier.demoted import DemotedPrefix, DemotedPrefixes
@@ -46,7 +47,6 @@ logger = logging.getLogger(__name__)
 
 AHEAD_MAX_TOKENS = 64  # drafts made per waiting request (more than a fetch usually allows)
 AHEAD_MAX_SUFFIX = 1024  # prompt tokens past the compressed prefix the drafter will prefill
-MAX_JOBS = 1024  # jobs remembered (a job lives from its request's fetch to its release)
 PREFILL_CHUNK = 32  # suffix tokens per drafter forward: how long the serving path may wait
 IDLE_POLL_S = 0.05  # how often a job waiting for idle compute checks whether it was halted
 
@@ -72,12 +72,16 @@ class DraftAhead:
     without the Llama layout, ``start`` does nothing and requests wait for their fetch as before.
     """
 
-    def __init__(self, store: DemotedPrefixes) -> None:
+    def __init__(self, store: DemotedPrefixes, requests: RequestTable | None = None) -> None:
+        """requests: the scheduler's request table, whose records hold each request's job,
+        parked compressed KV and whether it declined (a table of its own by default)."""
         self.store = store
         self.drafter: LlamaDrafter | None = None
-        self.finished: dict[str, Any] = {}  # rid -> compressed KV, between finish and release
-        self.jobs: dict[str, AheadJob] = {}
-        self._declined: set[str] = set()  # waited too short to draft: asked only once
+        self.requests = RequestTable() if requests is None else requests
+        self.requests.join(self)  # a closing request's job stops
+        self.finished = self.requests.field("finished_draft")  # compressed KV, finish -> release
+        self.jobs = self.requests.field("ahead_job")
+        self._declined = self.requests.field("ahead_declined")  # waited too short: asked once
         self._queue: queue.Queue[AheadJob | None] = queue.Queue()  # None: the thread exits
         self._thread: threading.Thread | None = None
         self.started = self.failed = self.skipped = 0
@@ -131,13 +135,9 @@ class DraftAhead:
         if prefix is None or suffix > AHEAD_MAX_SUFFIX:
             return False
         if wait_s is not None and suffix * self.prefill_s_per_token >= wait_s:
-            if len(self._declined) >= MAX_JOBS:  # requests aborted while queued never release
-                self._declined.clear()
-            self._declined.add(rid)
+            self._declined[rid] = True
             self.skipped += 1
             return False
-        while len(self.jobs) >= MAX_JOBS:  # requests aborted while queued never release
-            self.forget(next(iter(self.jobs)))
         job = AheadJob(rid, prefix, list(prompt[len(prefix.tokens) :]),
                        min(AHEAD_MAX_TOKENS, max_new_tokens))  # fmt: skip
         self.jobs[rid] = job
@@ -189,11 +189,12 @@ class DraftAhead:
     participant_name = "draft ahead"  # in the request table (requests/table.py)
 
     def tracked_rids(self) -> set[str]:
-        return set(self.finished) | set(self.jobs) | self._declined
+        return set()  # its per-request state is in the records
 
     def forget(self, rid: str) -> None:
+        """Stop ``rid``'s job and drop its fields (it closed, or its drafts are of no use)."""
         self.finished.pop(rid, None)
-        self._declined.discard(rid)
+        self._declined.pop(rid, None)
         job = self.jobs.pop(rid, None)
         if job is not None:
             job.stop.set()

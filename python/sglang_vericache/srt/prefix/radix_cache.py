@@ -83,17 +83,17 @@ class VeriCacheRadixCache(RadixCache):
         self.restore_failures = 0
         self.verify_width = verify_width  # pool slots one verification writes per request
         self.remote = context.link = remote  # the worker reports prefill speed to it
-        self.eligibility = eligibility or TierEligibility()  # weights fixed unless given
+        if remote is not None:
+            remote.bind_requests(self.requests)  # its lookups are this scheduler's records'
+        # weights fixed unless given
+        self.eligibility = eligibility or TierEligibility(requests=self.requests)
         self.tier_metrics = tier_metrics
         # DEMOTED prefixes and drafts made while fetching (remote tiers only); the worker
         # finds them in the context.
         self.ahead: DraftAhead | None = None
         if remote is not None and fetch_drafting:
-            self.ahead = DraftAhead(DemotedPrefixes(self))
+            self.ahead = DraftAhead(DemotedPrefixes(self), self.requests)
         context.ahead = self.ahead
-        for participant in (remote, self.eligibility, self.ahead):
-            if participant is not None:
-                self.requests.join(participant)
         self.freed_seen = 0  # ledger.freed_slots when admission last reopened (admission.py)
         super().__init__(params)
         self.offloader.ledger.tree = self  # PrefixTreeHooks: adopt, evict_cached, cached_tokens

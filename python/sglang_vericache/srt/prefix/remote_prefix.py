@@ -20,18 +20,16 @@ whole lookup and the ``take`` that follows it (a chunk evicted after the lookup,
 middle chunk), ``take`` answers "not yet" and the request's next probe reports what arrived.
 
 Every failure (dead server, timeout, corrupt chunk, geometry mismatch, full tier) ends as
-"report 0 / fewer chunks": SGLang recomputes the rest, output is unchanged. Nothing here
-blocks on the network: the tier client runs its own I/O thread (submit/poll). A lookup is
-bounded (``LinkBounds``): a hung KV server costs a waiting request one deadline, not the
-client's timeout, and a tier that failed is not asked again for a while. ``tier_up`` says
-whether the tier's latest finished task got through (the prefix cache then keeps a finished
-request's full KV on the device instead of relying on the tier for it).
+"report 0 / fewer chunks": SGLang recomputes the rest, output is unchanged. Nothing blocks on
+the network (the tier client has its own I/O thread). Lookups and fetches are bounded
+(``LinkBounds``): a hung KV server costs one deadline, and a failed tier is left alone for a
+while. ``tier_up``: the latest finished task got through (else the prefix cache keeps a
+finished request's full KV on the device).
 
 What is remembered as stored (so write-through skips it) is forgotten when the tier's epoch
 changes (a restarted KV server holds nothing) and, key by key, when a lookup or fetch finds a
-key missing (evicted). When the model identity changes (a weight update: ``geometry_now``
-returns another geometry) every key changes: the link drops its requests' state and reopens
-the tier under the new geometry.
+key missing. A weight update (``geometry_now`` returns another geometry) changes every key:
+the link drops its requests' lookups and reopens the tier under the new geometry.
 """
 
 from __future__ import annotations
@@ -39,17 +37,18 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
-from typing import Callable, Sequence
+from collections.abc import Callable, MutableMapping, Sequence
 
 from torch import Tensor
 
+from sglang_vericache.requests.table import RequestTable
 from sglang_vericache.verify.draft_length import ewma
 from sglang_vericache.tier import TaskStatus, chunk_keys, open_tier
 from sglang_vericache.tier.base import FullKVTier, TaskId
 from sglang_vericache.tier.geometry import KVGeometry
 from sglang_vericache.tier.keys import ChunkKey
 from sglang_vericache.tier.layout import join_chunks, split_chunks
-from sglang_vericache.tier.link_bounds import LinkBounds, RemoteCounters
+from sglang_vericache.tier.link_bounds import LinkBounds, RemoteCounters, fetch_pays
 from sglang_vericache.tier.pending_prefix import PendingPrefix, PrefixPhase, check_pending
 from sglang_vericache.tier.shared_fetch import SharedFetches
 
@@ -64,12 +63,15 @@ class RemotePrefixLink:
 
     Used from the scheduler thread only. ``tier`` is any ``FullKVTier``. ``geometry_now``
     gives the geometry keys must use now (it changes with the weight version) and ``reopen``
-    builds a tier for a new one; without them the geometry is fixed.
+    builds a tier for a new one; without them the geometry is fixed. Each request's lookup is
+    its record's ``lookup`` in ``requests`` (the scheduler's table; a table of its own by
+    default), cancelled when the request closes (``forget``).
     """
 
     def __init__(self, tier: FullKVTier, geometry_now: Callable[[], KVGeometry] | None = None,
                  reopen: Callable[[KVGeometry], FullKVTier] | None = None,
-                 bounds: LinkBounds = LinkBounds()) -> None:  # fmt: skip
+                 bounds: LinkBounds = LinkBounds(),
+                 requests: RequestTable | None = None) -> None:  # fmt: skip
         if (geometry_now is None) != (reopen is None):
             raise ValueError("geometry_now and reopen go together")
         self.tier = tier
@@ -80,8 +82,7 @@ class RemotePrefixLink:
         self._reopen = reopen
         self._epoch: bytes | None = None  # the tier epoch that _stored was learned under
         self.chunk = self.geometry.chunk_tokens
-        self.pending: dict[str, PendingPrefix] = {}
-        self.fetches = SharedFetches(tier)
+        self.bind_requests(RequestTable() if requests is None else requests)
         self._puts: dict[TaskId, tuple[list[ChunkKey], list[Tensor]]] = {}
         self._stored: OrderedDict[bytes, None] = OrderedDict()
         self.counters = RemoteCounters()
@@ -92,15 +93,16 @@ class RemotePrefixLink:
 
     @classmethod
     def open(cls, spec: str, geometry: KVGeometry | Callable[[], KVGeometry],
-             bounds: LinkBounds = LinkBounds(), **options) -> "RemotePrefixLink":  # fmt: skip
+             bounds: LinkBounds = LinkBounds(), requests: RequestTable | None = None,
+             **options) -> "RemotePrefixLink":  # fmt: skip
         """The link to tier ``spec``; ``geometry`` may be a callable (see the class doc)."""
         from sglang_vericache.tier.factory import TierOptions
 
         opts = TierOptions(**options)
         if isinstance(geometry, KVGeometry):
-            return cls(open_tier(spec, geometry, opts), bounds=bounds)
+            return cls(open_tier(spec, geometry, opts), bounds=bounds, requests=requests)
         return cls(open_tier(spec, geometry(), opts), geometry,
-                   lambda g: open_tier(spec, g, opts), bounds)  # fmt: skip
+                   lambda g: open_tier(spec, g, opts), bounds, requests)  # fmt: skip
 
     # -- reads --------------------------------------------------------------------------------
 
@@ -164,9 +166,15 @@ class RemotePrefixLink:
 
     participant_name = "remote prefix link"  # in the request table (requests/table.py)
 
-    def tracked_rids(self) -> set[str]:
-        """Requests with a lookup or fetch in any phase, or fetch claims."""
-        return set(self.pending) | self.fetches.claimants()
+    def bind_requests(self, requests: RequestTable) -> None:
+        """Keep lookups in ``requests``' records (the scheduler's table; before any lookup)."""
+        self.requests = requests
+        requests.join(self)
+        self.pending: MutableMapping[str, PendingPrefix] = requests.field("lookup")
+        self.fetches = SharedFetches(self.tier, requests.field("fetch_claims"))
+
+    def tracked_rids(self) -> set[str]:  # none: lookups and claims are the records' fields
+        return set()
 
     def forget(self, rid: str) -> None:
         """Drop ``rid``'s state in any phase (its one way out): cancel its lookup, free claims."""
@@ -181,11 +189,9 @@ class RemotePrefixLink:
     # -- writes -------------------------------------------------------------------------------
 
     def write_through(self, tokens: Sequence[int], read: Callable[[int, int], Tensor]) -> int:
-        """Store the whole chunks of ``tokens`` the tier does not hold yet (asynchronously).
-
-        read(start, end): full KV of positions [start, end), [L, 2, H_kv, n, D] on the host.
-        Returns the number of chunks submitted.
-        """
+        """Store the whole chunks of ``tokens`` the tier does not hold yet (asynchronously);
+        returns how many were submitted. read(start, end): full KV of positions [start, end),
+        [L, 2, H_kv, n, D] on the host."""
         self.poll()
         n_full = len(tokens) // self.chunk
         if n_full == 0:
@@ -300,15 +306,10 @@ class RemotePrefixLink:
             self.prefill_tokens_per_s = ewma(self.prefill_tokens_per_s, tokens / seconds)
 
     def _fetch_pays(self, keys: list[ChunkKey]) -> bool:
-        """Fetching ``keys`` is predicted no slower than recomputing them (a fast GPU on a slow
-        link recomputes, a CPU on a fast link fetches); unmeasured, it fetches (measuring the
-        link), and every ``EXPLORE_EVERY``-th skip fetches anyway (re-measuring it)."""
-        nbytes = self.fetches.new_bytes(keys)
-        if not nbytes or self.fetch_bytes_per_s <= 0 or self.prefill_tokens_per_s <= 0:
-            return True
-        fetch_s = nbytes / self.fetch_bytes_per_s
-        recompute_s = sum(k.num_tokens for k in keys) / self.prefill_tokens_per_s
-        if fetch_s <= recompute_s:
+        """``fetch_pays`` for ``keys``; every ``EXPLORE_EVERY``-th skip fetches anyway
+        (re-measuring the link)."""
+        if fetch_pays(self.fetches.new_bytes(keys), sum(k.num_tokens for k in keys),
+                      self.fetch_bytes_per_s, self.prefill_tokens_per_s):  # fmt: skip
             return True
         self._judged_slower += 1
         return self._judged_slower % EXPLORE_EVERY == 0
@@ -393,7 +394,7 @@ class RemotePrefixLink:
         self._stored.clear()
         self._epoch = None
         self.tier, self.geometry = self._reopen(geometry), geometry
-        self.fetches = SharedFetches(self.tier)
+        self.fetches = SharedFetches(self.tier, self.requests.field("fetch_claims"))
 
     def close(self) -> None:
         self.tier.close()

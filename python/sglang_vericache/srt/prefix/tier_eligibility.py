@@ -20,16 +20,14 @@ computed, and SGLang requires it for ``input_embeds``.
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
+from sglang_vericache.requests.table import RequestTable
 from sglang_vericache.srt.prefix.remote_prefix import RemotePrefixLink
 from sglang_vericache.tier.link_bounds import LinkBounds
 
 logger = logging.getLogger(__name__)
-
-STAMPS_KEPT = 65536  # requests remembered; a forgotten one is only not written through
 
 
 def tier_content(req: Any) -> bool:
@@ -53,10 +51,13 @@ class TierEligibility:
     or forgotten) is not written through. Scheduler thread only.
     """
 
-    def __init__(self, generation: Callable[[], int] = lambda: 0) -> None:
+    def __init__(self, generation: Callable[[], int] = lambda: 0,
+                 requests: RequestTable | None = None) -> None:  # fmt: skip
+        """requests: the scheduler's request table, whose records hold each request's stamp
+        (``tier_generation``, gone when the request closes); a table of its own by default."""
         self.generation = generation
         self._tree_generation = generation()  # generation when the prefix cache was reset
-        self._stamps: OrderedDict[str, int] = OrderedDict()
+        self._stamps = (RequestTable() if requests is None else requests).field("tier_generation")
 
     def tree_reset(self) -> None:
         """The prefix cache was emptied: what it holds from now on is of this generation."""
@@ -70,21 +71,11 @@ class TierEligibility:
         if not tier_content(req) or self._tree_generation != now:
             return False
         self._stamps[req.rid] = now
-        while len(self._stamps) > STAMPS_KEPT:
-            self._stamps.popitem(last=False)
         return True
 
     def may_write(self, req: Any) -> bool:
         """Whether ``req``'s KV was all computed by the weights served now."""
         return self._stamps.get(req.rid) == self.generation()
-
-    participant_name = "tier eligibility"  # in the request table (requests/table.py)
-
-    def tracked_rids(self) -> set[str]:
-        return set(self._stamps)
-
-    def forget(self, rid: str) -> None:
-        self._stamps.pop(rid, None)
 
 
 def open_remote(ctx: Any, num_layers: int, chunk_tokens: int
@@ -95,6 +86,7 @@ def open_remote(ctx: Any, num_layers: int, chunk_tokens: int
     from sglang_vericache.config import TierKind
     from sglang_vericache.srt.prefix.model_identity import ServedWeights, server_model_identity
     from sglang_vericache.server_record import vericache_config
+    from sglang_vericache.srt.context import context_of
 
     config = vericache_config(ctx.server_args)
     tier = config.tier
@@ -116,5 +108,6 @@ def open_remote(ctx: Any, num_layers: int, chunk_tokens: int
     inflight = config.tier_inflight_mb << 20
     bounds = LinkBounds(lookup_deadline_s=config.tier_lookup_deadline_s,
                         max_put_bytes=inflight, max_fetch_bytes=inflight)  # fmt: skip
-    link = RemotePrefixLink.open(str(tier), geometry, bounds)
-    return link, TierEligibility(lambda: served.generation)
+    requests = context_of(ctx.params.req_to_token_pool).requests
+    link = RemotePrefixLink.open(str(tier), geometry, bounds, requests)
+    return link, TierEligibility(lambda: served.generation, requests)
