@@ -90,9 +90,10 @@ class VeriCacheExporter:
                               "that allocations took back since start.")  # fmt: skip
         self._tracked = gauge("tracked_requests", "Live requests in the scheduler's VeriCache "
                               "request table (0 when idle: nothing leaked).")  # fmt: skip
-        self._entries = Gauge("vericache:request_entries", "Entries each holder of per-request "
-                              "state keeps (requests/table.py: records, worker, remote prefix "
-                              "link, draft ahead, ...; all 0 when idle).",
+        self._entries = Gauge("vericache:request_entries", "Live request records, the records "
+                              "holding each state field (draft, plain, lookup, ahead_job, ...) "
+                              "and the entries of shared structures (requests/table.py "
+                              "entry_counts; all 0 when idle).",
                               labelnames=names + ["table"], multiprocess_mode="mostrecent")
         self._phase_s = counter("step_phase_seconds", "Decode-step seconds by phase (prepare, "
                                 "draft, verify, plain, commit, offload, other).", ("phase",))
