@@ -264,8 +264,9 @@ def _soak_command(data: dict) -> str:
 def soak(res: Results) -> list[str]:
     data = res.load("soak.json")
     lines = prose(SOAK_TEXT) + [""]
-    head = ["server", "alive", "requests", "failed", "memory first / last MiB (slope /h)",
-            "open files first / last (slope /h)", "idle pool tokens first / last",
+    head = ["server", "alive", "requests", "failed",
+            "memory first / last MiB (slope /h; second half)", "of it, compressed prefixes kept "
+            "(max MiB)", "open files first / last (slope /h)", "idle pool tokens first / last",
             "tier bytes in flight (idle)", "pool start / after flush", "greedy mismatches"]
     if not data:
         row = Row(("not yet run", *["-"] * (len(head) - 1)), "-", _soak_command({}))
@@ -276,17 +277,20 @@ def soak(res: Results) -> list[str]:
         t = s.get("trends", {}).get(field)
         if not t:
             return "-"
+        late = t.get("late_slope_per_hour")
         return (f"{t['first'] / scale:.0f} / {t['last'] / scale:.0f} "
-                f"({t['slope_per_hour'] / scale:+.0f})")
+                f"({t['slope_per_hour'] / scale:+.0f}"
+                + ("" if late is None else f"; {late / scale:+.0f}") + ")")
 
     rows = []
     for name, s in data.get("servers", {}).items():
         tier = s.get("trends", {}).get("tier_bytes_in_flight", {})
         pool = s.get("trends", {}).get("idle_used_tokens", {})
+        demoted = s.get("trends", {}).get("demoted_bytes", {})
         rows.append(res.row("soak.json", [
             name, "yes" if s.get("alive") else "NO", s.get("requests", "-"), s.get("failed", "-"),
             trend(s, "memory_bytes" if "memory_bytes" in s.get("trends", {}) else "rss_bytes",
-                  2**20), trend(s, "fds"),
+                  2**20), f"{demoted['max'] / 2**20:.0f}" if demoted else "-", trend(s, "fds"),
             f"{pool.get('first', '-')} / {pool.get('last', '-')}",
             f"max {tier['max']:.0f}" if tier else "-",
             f"{s.get('baseline_used_tokens', '-')} / {s.get('after_flush_used_tokens', '-')}",

@@ -93,8 +93,12 @@ def sample(target: SoakTarget, minute: float, window: dict[str, Any]) -> dict[st
                 text = resp.read().decode()
             row["tier_bytes_in_flight"] = sum(
                 metric_values(text, "vericache:tier_bytes_in_flight").values())
+            # compressed prefixes kept for the next turn: a cache bounded by design
+            # (tier/demoted.py DEMOTED_MAX_BYTES), counted apart from growth
+            row["demoted_bytes"] = sum(v for k, v in metric_values(
+                text, "vericache:demoted_prefixes").items() if 'what="bytes"' in k)
         except OSError:
-            row["tier_bytes_in_flight"] = None
+            row["tier_bytes_in_flight"] = row["demoted_bytes"] = None
     return row
 
 

@@ -154,12 +154,15 @@ def slope(xs: list[float], ys: list[float]) -> float:
     return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
 
 
-TREND_FIELDS = ("memory_bytes", "anon_bytes", "rss_bytes", "fds", "idle_used_tokens", "tier_bytes_in_flight")
+TREND_FIELDS = ("memory_bytes", "anon_bytes", "rss_bytes", "fds", "idle_used_tokens",
+                "tier_bytes_in_flight", "demoted_bytes")  # fmt: skip
 
 
 def trends(samples: list[dict[str, Any]], skip_first: int = 1) -> dict[str, dict[str, float]]:
     """Per field of ``TREND_FIELDS``: first, last, min, max and slope per hour over the samples
-    after the first ``skip_first`` (start-up warm-up: allocator pools, compiled kernels)."""
+    after the first ``skip_first`` (start-up warm-up: allocator pools, compiled kernels), and the
+    slope over the second half of the run alone (``late_slope_per_hour``): caches bounded by
+    design fill in the first half; what still grows in the second is what would grow forever."""
     body = samples[skip_first:] if len(samples) > skip_first + 1 else samples
     out: dict[str, dict[str, float]] = {}
     for field in TREND_FIELDS:
@@ -167,8 +170,12 @@ def trends(samples: list[dict[str, Any]], skip_first: int = 1) -> dict[str, dict
         if not pts:
             continue
         xs, ys = [p[0] for p in pts], [float(p[1]) for p in pts]
+        half = xs[0] + (xs[-1] - xs[0]) / 2
+        late = [(x, y) for x, y in zip(xs, ys) if x >= half]
         out[field] = {"first": ys[0], "last": ys[-1], "min": min(ys), "max": max(ys),
-                      "slope_per_hour": round(slope(xs, ys) * 60.0, 3)}  # fmt: skip
+                      "slope_per_hour": round(slope(xs, ys) * 60.0, 3),
+                      "late_slope_per_hour": round(slope([x for x, _ in late],
+                                                         [y for _, y in late]) * 60.0, 3)}
     return out
 
 

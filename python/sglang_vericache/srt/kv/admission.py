@@ -33,10 +33,6 @@ offloads have freed slots since the last attempt. The third records what an atte
 With it the second records the ask of each request queued behind (``waiting_asks``), so the
 worker weighs plain decoding against drafting with every request that dropping the batch's
 compressed KV would let in, not just the first (``srt/decode/step_costs.joining_contexts``).
-
-The fourth tells drafting ahead (``srt/prefix/draft_ahead.py``) that the serving path idles: SGLang
-calls ``on_idle`` whenever it has no batch to run, e.g. while every request waits for its
-prefix; the worker marks it busy again at its next forward.
 """
 
 from __future__ import annotations
@@ -54,7 +50,6 @@ TARGET = (
 )
 PREFILL_TARGET = "sglang.srt.managers.scheduler.Scheduler._get_new_batch_prefill_raw"
 ADD_TARGET = "sglang.srt.managers.schedule_policy.PrefillAdder.add_one_req"
-IDLE_TARGET = "sglang.srt.managers.scheduler.Scheduler.on_idle"
 
 
 def vericache_future_tokens(sglang_estimate: float, reserved: int, offloaded: int,
@@ -145,17 +140,9 @@ def _add_one_req_around(original: Callable[..., Any], adder: Any, req: Any, *arg
     return result
 
 
-def _on_idle_around(original: Callable[..., Any], scheduler: Any, *args: Any, **kw: Any) -> Any:
-    ahead = getattr(scheduler.tree_cache, "ahead", None)
-    if ahead is not None:
-        ahead.serving_idle()
-    return original(scheduler, *args, **kw)
-
-
 def register_admission_hook() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     HookRegistry.register(TARGET, _running_offset_around, HookType.AROUND)
     HookRegistry.register(PREFILL_TARGET, _new_prefill_around, HookType.AROUND)
     HookRegistry.register(ADD_TARGET, _add_one_req_around, HookType.AROUND)
-    HookRegistry.register(IDLE_TARGET, _on_idle_around, HookType.AROUND)

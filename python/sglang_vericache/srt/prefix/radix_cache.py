@@ -57,6 +57,7 @@ from sglang_vericache.srt.prefix.draft_ahead import DraftAhead
 from sglang_vericache.srt.metrics import TierLinkExporter
 from sglang_vericache.srt.kv.offload import write_pool_all_layers
 from sglang_vericache.srt.kv.offloader import shared_offloader
+from sglang_vericache.host_memory import IdleHeapTrim
 from sglang_vericache.srt.prefix.remote_prefix import RemotePrefixLink
 from sglang_vericache.srt.prefix.tier_eligibility import TierEligibility, open_remote
 from sglang_vericache.server_record import vericache_config
@@ -95,6 +96,7 @@ class VeriCacheRadixCache(RadixCache):
             self.ahead = DraftAhead(DemotedPrefixes(self), self.requests)
         context.ahead = self.ahead
         self.freed_seen = 0  # ledger.freed_slots when admission last reopened (admission.py)
+        self.heap_trim = IdleHeapTrim()  # the scheduler's idle hook calls it (srt/hooks/idle.py)
         super().__init__(params)
         self.offloader.ledger.tree = self  # PrefixTreeHooks: adopt, evict_cached, cached_tokens
 
