@@ -211,9 +211,16 @@ EOS. Fixed since (a verify commits nothing after a stop token); seed 2 re-run on
 """
 
 
+# every long run, oldest first: (result file, the commit it ran on, what that commit had)
+FUZZ_RUNS = (("fuzz.json", "cc79d6e", ""),
+             ("fuzz_recheck.json", "1e5ca23", ", the stop-token fix"),
+             ("fuzz_records.json", "1ec9add", ", the fix and one record per request"))
+
+
 def fuzz(res: Results) -> list[str]:
-    data = res.load("fuzz.json")
-    if not data:
+    runs = [(name, f"commit {commit}{note}", res.load(name)) for name, commit, note in FUZZ_RUNS]
+    runs = [(name, note, data) for name, note, data in runs if data]
+    if not runs:
         return ["Not yet run: `python benchmark/fuzz.py --seeds 1 2 3 --requests 700`."]
 
     def cells(label: str, s: dict, requests: int, wall: float) -> list[str]:
@@ -226,17 +233,21 @@ def fuzz(res: Results) -> list[str]:
                 str(n("logprob_violations")), f"{s['logprob_max_abs_diff']:.1e}",
                 str(s.get("failed_cases", 0)), f"{wall:.0f}"]  # fmt: skip
 
-    reqs = data["config"]["requests"]
-    seeds = " ".join(str(s["seed"]) for s in data["seeds"])
-    rows = [res.row("fuzz.json", cells(f"seeds {seeds}", data["total"], data["total"]["requests"],
-                                       data["config"]["wall_s"]),
-                    f"python benchmark/fuzz.py --seeds {seeds} --requests {reqs} "
-                    "--out benchmark/results/fuzz.json")]  # fmt: skip
+    rows = []
+    for name, note, data in runs:
+        reqs = data["config"]["requests"]
+        seeds = " ".join(str(s["seed"]) for s in data["seeds"])
+        label = f"seeds {seeds} ({note})"
+        rows.append(res.row(name, cells(label, data["total"], data["total"]["requests"],
+                                        data["config"]["wall_s"]),
+                            f"python benchmark/fuzz.py --seeds {seeds} --requests {reqs} "
+                            f"--out benchmark/results/{name}"))  # fmt: skip
     lines = prose(FUZZ_TEXT) + [""]
     lines += table(["run", "requests", "server deaths", "status differences", ("greedy token "
                     "differences"), "5xx", "leaks", "logprob violations", "logprob max abs diff",
                     "flagged", "wall s"], rows)  # fmt: skip
-    return lines + ["", f"Details: {res.links('fuzz.md')}.", ""] + prose(FUZZ_LIMITS)
+    details = res.links(*(name.replace(".json", ".md") for name, _, _ in runs))
+    return lines + ["", f"Details: {details}.", ""] + prose(FUZZ_LIMITS)
 
 
 SOAK_TEXT = """
