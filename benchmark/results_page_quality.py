@@ -187,19 +187,17 @@ def sampled(res: Results) -> list[str]:
 
 
 FUZZ_TEXT = """
-A seeded generator over SGLang's request surface (`testkit/fuzz*.py`): text,
-`input_ids` and batches, every sampling parameter, grammars, logprob options, streaming and client
-disconnects, the OpenAI endpoints, malformed requests, hidden states, batches with an invalid later
-item, `n` with grammars and logprobs, sampled distributions (48 samples a side, two-sample
-chi-square on one decode position's token), `input_embeds`, reloads of the served weights and
-abort storms. Each request goes to a plain and a `--vericache` server: same HTTP status,
-identical greedy tokens, logprobs within 1e-3, hidden states within 1e-3, no distribution test
-below p = 0.001, both servers alive at the end, no KV in use once idle. Penalized requests and
-weight reloads run alone on each server (plain SGLang's overlapped scheduler feeds its penalizers
-a step late unless a prefill ran in between, so its own output for them depends on what else
-arrives). A CI-sized run (80 requests, seed 21: every kind) is part of the test command
-(`test/e2e/test_fuzz_servers.py`). `--profiles no-radix reasoning` runs the same on servers
-that serve `input_embeds` and that wrap grammars in a reasoning parser over outlines.
+A seeded generator over SGLang's request surface (`testkit/fuzz*.py`): text, `input_ids` and
+batches, every sampling parameter, grammars, logprob options, streaming and client disconnects,
+the OpenAI endpoints, malformed requests, hidden states, batches with an invalid later item, `n`
+with grammars and logprobs, sampled distributions (48 samples a side, two-sample chi-square on one
+decode position's token), `input_embeds`, weight reloads and abort storms, each sent to a plain
+and a `--vericache` server: same HTTP status, identical greedy tokens, logprobs and hidden states
+within 1e-3, no distribution test below p = 0.001, both servers alive, no KV in use once idle.
+Penalized requests and weight reloads run alone (plain SGLang's overlapped scheduler feeds its
+penalizers a step late unless a prefill ran in between). A CI-sized run (80 requests, seed 21:
+every kind) is in the test command (`test/e2e/test_fuzz_servers.py`); `--profiles no-radix
+reasoning` serves `input_embeds` and wraps grammars in a reasoning parser over outlines.
 """
 
 FUZZ_LIMITS = """
