@@ -257,11 +257,11 @@ hour after the first sample). A five-minute version runs in the test command.
 
 
 SOAK_LIMITS = """
-Limits, plainly: run beside other servers on a machine in swap (hence resident plus swapped-out
-memory). `--vericache`'s tree went 5.1 -> 6.1 GB, not monotonically (5.9 at minute 22, 5.4 at 40):
-not shown flat, and which allocation grows is not yet known. An earlier hour failed one storm case
-on a single /health probe answered 503 while a step outlasted SGLang's 20 s heartbeat; the storm
-now waits for /health within its timeout.
+Limits, plainly: this hour predates host KV buffers as own mappings and the idle heap trim; most of
+`--vericache`'s 5.1 -> 6.1 GB was the compressed prefixes kept for next turns (capped at 512 MiB
+counted, ~1.3x held) and freed heap glibc kept. 28 minutes on the fix (9a24362, `soak_idle_trim.md`,
+anonymous + swap): 4,085 -> 4,264 MiB (+27 MiB/h, second half -1,115; the cache 490 MiB at most),
+plain +180 MiB/h, 0 failed, 1,065 greedy answers equal. The hour on the fix is not yet run.
 """
 
 
