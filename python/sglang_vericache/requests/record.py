@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Callable
 
+
 class RequestEnd(str, Enum):
     """How a request's record was closed (``RequestTable.close``)."""
 
@@ -49,11 +50,10 @@ class VeriRequest:
     The prefix path's (``srt/prefix/``): ``tier_generation``, the weights generation its prefix
     match saw (it may write to the tier only while that is the one served); ``lookup``, its
     remote-tier lookup or fetch in any phase, and ``fetch_claims``, the fetched chunks it
-    claims (each shared with every request that claims it: ``tier/shared_fetch.py``); ``ahead_job``, drafting while its prefix is
-    fetched; ``ahead_declined``, it waited too short to draft ahead (asked once);
-    ``finished_draft``, its compressed KV between its finish and its release (kept by the
-    prefix cache as a demoted prefix).
-
+    claims (each shared with every request that claims it: ``tier/shared_fetch.py``);
+    ``ahead_job``, drafting while its prefix is fetched; ``ahead_declined``, it waited too
+    short to draft ahead (asked once); ``finished_draft``, its compressed KV between its finish
+    and its release (kept by the prefix cache as a demoted prefix).
     """
 
     rid: str

@@ -57,6 +57,11 @@ class RowHolder(Protocol):
         """Pool rows it holds an entry for."""
 
 
+def table_finder(table: RequestTable | Callable[[], RequestTable]) -> Callable[[], RequestTable]:
+    """What finds ``table`` on use: the callable itself, or one that returns the table."""
+    return table if callable(table) else (lambda: table)
+
+
 class RecordField(MutableMapping[str, Any]):
     """Request id -> one state field of each live record (``record.STATE_FIELDS``); a record
     whose field is None has no entry. Setting one opens the record where it is not live (as
@@ -69,7 +74,7 @@ class RecordField(MutableMapping[str, Any]):
     def __init__(self, table: RequestTable | Callable[[], RequestTable], name: str) -> None:
         if name not in STATE_FIELDS:
             raise ValueError(f"{name!r} is not a request state field: one of {STATE_FIELDS}")
-        self._table = table if callable(table) else (lambda: table)
+        self._table = table_finder(table)
         self.name = name
 
     def __getitem__(self, rid: str) -> Any:
@@ -159,7 +164,7 @@ class RequestTable:
         server is idle (``vericache:request_entries``)."""
         counts = {"records": len(self.records)}
         for name in STATE_FIELDS:
-            counts[name] = sum(1 for r in self.records.values() if getattr(r, name) is not None)
+            counts[name] = len(self.field(name))
         for p in self._participants:
             counts[p.participant_name] = counts.get(p.participant_name, 0) + len(p.tracked_rids())
         for h in self._row_holders:

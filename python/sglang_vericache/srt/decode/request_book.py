@@ -29,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
-from sglang_vericache.requests.table import RecordField, RequestTable
+from sglang_vericache.requests.table import RecordField, RequestTable, table_finder
 from sglang_vericache.verify.draft_length import DraftLengthController
 from sglang_vericache.srt.kv.draft_state import RequestDraftState
 from sglang_vericache.srt.decode.eligibility import plain_reason, whole_step_reason
@@ -61,7 +61,7 @@ class RequestBook:
     def __init__(self, requests: RequestTable | Callable[[], RequestTable], offload_only: bool,
                  fixed: int | None, max_drafts: int) -> None:  # fmt: skip
         """requests: the table, or what finds it on use (``RecordField``)."""
-        self._requests = requests if callable(requests) else (lambda: requests)
+        self._requests = table_finder(requests)
         self.offload_only = offload_only
         self.draft_length = DraftLengthController(
             fixed, max_drafts, estimates=RecordField(self._requests, "acceptance"))

@@ -48,7 +48,7 @@ class TierEligibility:
     of an earlier generation (it was reset, i.e. SGLang flushed it, since the last change). Its
     KV is then the matched KV plus what it computes afterwards, so it may be written through
     only while the generation is still the stamped one. A request not stamped (never matched,
-    or forgotten) is not written through. Scheduler thread only.
+    or closed: the stamp is its record's) is not written through. Scheduler thread only.
     """
 
     def __init__(self, generation: Callable[[], int] = lambda: 0,
