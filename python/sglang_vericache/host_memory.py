@@ -40,7 +40,7 @@ def host_empty(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, *,
     else its own private anonymous mapping when at least ``MAPPED_MIN_BYTES``, else from the
     heap. The mapping is unmapped when the tensor (and every view of it) is freed."""
     numel = math.prod(shape)
-    nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+    nbytes = numel * dtype.itemsize
     if pin_memory or nbytes < MAPPED_MIN_BYTES:
         return torch.empty(shape, dtype=dtype, pin_memory=pin_memory)
     pages = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE)
@@ -55,12 +55,9 @@ TRIM_MIN_INTERVAL_S = 5.0
 
 def glibc_malloc_trim() -> Callable[[], None] | None:
     """``malloc_trim(0)`` of this process's C library; None where it has none (not glibc)."""
-    name = ctypes.util.find_library("c")
-    try:
-        trim = ctypes.CDLL(name).malloc_trim if name else None
-    except (OSError, AttributeError):
-        return None
-    if trim is None:
+    try:  # find_library None: the process's own symbols, which include its C library's
+        trim = ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim
+    except (OSError, AttributeError):  # not loadable, or not glibc
         return None
     trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
     return lambda: trim(0)
