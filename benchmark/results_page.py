@@ -169,6 +169,7 @@ Renderer = Callable[[Results], list[str]]
 def sections() -> list[tuple[str, Renderer]]:
     from benchmark import results_page_memory as memory
     from benchmark import results_page_quality as quality
+    from benchmark import results_page_robustness as robustness
     from benchmark import results_page_serving as serving
     from benchmark import results_page_tier as tier
 
@@ -184,8 +185,8 @@ def sections() -> list[tuple[str, Renderer]]:
         ("Drafting while the prefix is fetched", tier.fetch_drafting),
         ("Compressor acceptance", quality.compressors),
         ("Sampled output", quality.sampled),
-        ("Request fuzz", quality.fuzz),
-        ("Soak", quality.soak),
+        ("Request fuzz", robustness.fuzz),
+        ("Soak", robustness.soak),
         ("Cost model", quality.cost_model),
         ("CPU kernels", memory.cpu_kernels),
         ("GPU kernels", quality.gpu_kernels),
@@ -218,18 +219,20 @@ def headline(res: Results) -> list[str]:
     """The answers first: one row per question, linking to its section."""
     rows: list[tuple[str, str, str, str]] = []
 
+    from benchmark.results_page_robustness import latest_fuzz
+
     sweep = res.load("exactness/sweep.json") or []
-    fuzz = (res.load("fuzz.json") or {}).get("total", {})
+    fuzz_commit, fuzz = latest_fuzz(res)
     if sweep:
         same = sum(r["identical"] for r in sweep)
         total = sum(r["total"] for r in sweep)
         answer = (f"yes: **{same}/{total}** long prompts token-identical to plain SGLang (6 "
                   f"compressors, 256 new tokens, concurrency 1 and 8)")  # fmt: skip
         if fuzz:
-            answer += (f"; fuzz: {fuzz['requests']} requests, {fuzz['greedy_mismatches']} greedy "
-                       f"token differences, {fuzz['server_deaths']} server deaths")  # fmt: skip
-            if fuzz["greedy_mismatches"]:
-                answer += " (see [Request fuzz](#request-fuzz) for the cause and its fix)"
+            answer += (f"; fuzz on commit {fuzz_commit}: {fuzz['requests']} requests, "
+                       f"{fuzz['greedy_mismatches']} greedy token differences, "
+                       f"{fuzz['server_deaths']} server deaths (every run: "
+                       "[Request fuzz](#request-fuzz))")  # fmt: skip
         rows.append(("Is it exact?", answer, res.date("exactness/sweep.json"), "Exactness"))
 
     cap = res.load("capacity.json")
