@@ -113,7 +113,13 @@ def tool_call_schema(tools: list[dict]) -> dict:
     return {"anyOf": calls}
 
 
-def run_session(args: argparse.Namespace, session: dict, on_turn) -> list[dict]:  # type: ignore
+def run_session(args: argparse.Namespace, session: dict, on_turn,  # type: ignore
+                epoch: float = 0.0) -> list[dict]:
+    """Every turn of ``session`` in order; ``on_turn(row)`` after each. A turn whose request
+    fails is sent again up to ``args.retries`` times, ``args.retry_wait_s`` seconds later,
+    doubling each time (an agent retries; a gateway cannot resend a stream that broke midway):
+    its ``ttft_s`` / ``e2e_s`` count from the first attempt, and ``start_s`` is that attempt's
+    start, in seconds after ``epoch`` (a ``perf_counter`` value)."""
     history = [dict(m) for m in session["messages"]]
     rows: list[dict] = []
     prev_total = None
@@ -123,15 +129,31 @@ def run_session(args: argparse.Namespace, session: dict, on_turn) -> list[dict]:
         history.extend(dict(m) for m in turn["append"])
         row: dict[str, Any] = {"session_id": session["session_id"], "turn": k,
                                "kind": turn.get("kind")}
-        try:
-            # several --url: replicas without session affinity, turn k on url k mod n
-            url = args.url[k % len(args.url)]
-            row.update(run_turn(args, history, session.get("tools", []), url))
-        except Exception as exc:  # noqa: BLE001 - recorded per turn; the session stops
-            row["error"] = f"{type(exc).__name__}: {exc}"
-            rows.append(row)
-            on_turn()
+        first = time.perf_counter()
+        row["start_s"] = round(first - epoch, 4)
+        error = None
+        for attempt in range(args.retries + 1):
+            began = time.perf_counter()
+            try:
+                # several --url: replicas without session affinity, turn k on url k mod n
+                url = args.url[k % len(args.url)]
+                result = run_turn(args, history, session.get("tools", []), url)
+            except Exception as exc:  # noqa: BLE001 - recorded per turn; sent again or stops
+                error = f"{type(exc).__name__}: {exc}"
+                if attempt < args.retries:  # backing off: 1x, 2x, 4x ... --retry-wait-s
+                    time.sleep(args.retry_wait_s * 2**attempt)
+                continue
+            late = began - first  # the failed attempts' time counts: the agent waited it
+            result["e2e_s"] += late
+            if result["ttft_s"] is not None:
+                result["ttft_s"] += late
+            row.update(result, attempts=attempt + 1)
             break
+        else:
+            row.update(error=error, attempts=args.retries + 1)
+            rows.append(row)
+            on_turn(row)
+            break  # the session stops: its history would lack this answer
         p, c = row["prompt_tokens"], row["completion_tokens"]
         row["reuse"] = round(prev_total / p, 4) if prev_total and p else None
         prev_total = p + c if p is not None and c is not None else None
@@ -139,7 +161,7 @@ def run_session(args: argparse.Namespace, session: dict, on_turn) -> list[dict]:
         if not args.save_text:
             del row["output"]
         rows.append(row)
-        on_turn()
+        on_turn(row)
     return rows
 
 
@@ -188,6 +210,26 @@ def compare(path_a: str, path_b: str) -> int:
     return 0 if diff == 0 else 1
 
 
+def replay(args: argparse.Namespace, sessions: list[dict], on_turn,  # type: ignore
+           epoch: float | None = None) -> dict:
+    """Every session, ``args.concurrency`` at a time; ``on_turn(row)`` after each turn (from the
+    sessions' threads); rows' ``start_s`` count from ``epoch`` (a ``perf_counter`` value; now
+    when None). The output JSON's object (see the module docstring)."""
+    started = time.time()
+    epoch = time.perf_counter() if epoch is None else epoch
+    with ThreadPoolExecutor(max_workers=max(1, args.concurrency)) as pool:
+        per_session = list(pool.map(lambda s: run_session(args, s, on_turn, epoch), sessions))
+    rows = [r for rs in per_session for r in rs]
+    return {
+        "meta": {"url": args.url, "model": args.model, "max_tokens": args.max_tokens,
+                 "input": getattr(args, "input", None), "sessions": len(sessions),
+                 "turns": sum(len(s["turns"][: args.turns]) for s in sessions),
+                 "concurrency": args.concurrency, "send_tools": args.send_tools,
+                 "started_unix": started, "wall_s": time.time() - started},
+        "turns": rows, "summary": summarize(rows),
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("input", nargs="?", help="sessions JSONL from agentic_workload.py")
@@ -201,6 +243,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--think-s", type=float, default=0.0,
                    help="seconds between a turn's answer and the next turn (tool execution)")
     p.add_argument("--timeout", type=float, default=600.0, help="per-request socket timeout")
+    p.add_argument("--retries", type=int, default=0,
+                   help="times a failed turn is sent again before its session stops")
+    p.add_argument("--retry-wait-s", type=float, default=1.0,
+                   help="seconds before the first retry, doubling for each next one")
     p.add_argument("--send-tools", action="store_true",
                    help="also send the tool schemas in the request's 'tools' field")
     p.add_argument("--json-tool-calls", action="store_true",
@@ -227,31 +273,21 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         bar = None
 
-    def tick() -> None:
+    def tick(row: dict) -> None:
         if bar is not None:
             with lock:
                 bar.update(1)
 
-    started = time.time()
-    with ThreadPoolExecutor(max_workers=max(1, args.concurrency)) as pool:
-        per_session = list(pool.map(lambda s: run_session(args, s, tick), sessions))
+    result = replay(args, sessions, tick)
     if bar is not None:
         bar.close()
-    rows = [r for rs in per_session for r in rs]
-    result = {
-        "meta": {"url": args.url, "model": args.model, "max_tokens": args.max_tokens,
-                 "input": args.input, "sessions": len(sessions), "turns": total,
-                 "concurrency": args.concurrency, "send_tools": args.send_tools,
-                 "started_unix": started, "wall_s": time.time() - started},
-        "turns": rows, "summary": summarize(rows),
-    }
     text = json.dumps(result, indent=1)
     if args.output == "-":
         print(text)
     else:
         with open(args.output, "w", encoding="utf-8") as f:
             f.write(text + "\n")
-    errors = result["summary"]["errors"]
+    errors, rows = result["summary"]["errors"], result["turns"]
     print(f"{len(rows) - errors}/{total} turns ok, {errors} errors, "
           f"median TTFT {result['summary']['all']['ttft_s'].get('median')}", file=sys.stderr)
     return 1 if errors else 0

@@ -122,3 +122,46 @@ def test_replay_appends_answers_and_measures_each_turn(workload, tmp_path):
     assert second[len(first)] == {"role": "assistant", "content": rows[0]["output"]}
     assert result["summary"]["by_turn"]["2"]["ttft_s"]["n"] == 2
     assert 0.8 < rows[1]["reuse"] < 1.0
+
+
+class _FailsEverySecondCall(_FakeChat):
+    """Answers 503 to every second request (a replica that died under the gateway)."""
+
+    calls = 0
+
+    def do_POST(self) -> None:
+        _FailsEverySecondCall.calls += 1
+        if _FailsEverySecondCall.calls % 2 == 0:
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_response(503)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
+        super().do_POST()
+
+
+@pytest.mark.parametrize("retries", [0, 1])
+def test_replay_sends_a_failed_turn_again_or_stops_the_session(workload, tmp_path, retries):
+    replay = _load("replay_agentic")
+    sessions = tmp_path / "s.jsonl"
+    assert workload.main(["--sessions", "1", "--turns", "3", "--system-tokens", "900",
+                          "-o", str(sessions)]) == 0
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _FailsEverySecondCall)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    _FailsEverySecondCall.calls, _FakeChat.seen = 0, []
+    try:
+        out = tmp_path / "r.json"
+        rc = replay.main([str(sessions), "--url", f"http://127.0.0.1:{server.server_port}",
+                          "--max-tokens", "3", "--retries", str(retries), "--retry-wait-s", "0.05", "-o", str(out)])
+    finally:
+        server.shutdown()
+        server.server_close()
+    rows = json.loads(out.read_text())["turns"]
+    if retries == 0:  # turn 1's request fails: the session stops there
+        assert rc == 1 and [r["turn"] for r in rows] == [0, 1]
+        assert "HTTP 503" in rows[1]["error"] and rows[1]["attempts"] == 1
+        return
+    assert rc == 0 and [r.get("attempts") for r in rows] == [1, 2, 2]
+    assert all("error" not in r for r in rows)
+    assert rows[0]["start_s"] < rows[1]["start_s"] < rows[2]["start_s"]
+    assert rows[1]["e2e_s"] >= rows[1]["ttft_s"] > 0
