@@ -28,10 +28,13 @@ LMCACHE_QUIET_ENV = {"LMCACHE_TRACK_USAGE": "false", "DO_NOT_TRACK": "1",
 # while a request is tried 5 times: cache_aware may pick the dead replica (it holds the prefix)
 # for every try. Probing every 5 s takes a dead replica out within ~10 s, and a circuit that
 # opens after 2 failures sends a request's later tries to another replica. On one machine a
-# failed connection means a dead replica, not a congested network. --gateway-arg comes later
-# and wins.
+# failed connection means a dead replica, not a congested network. A busy replica is not a
+# dead one: its /health can take longer than smg's 5 s while it prefills a long prompt on a
+# loaded CPU, and marking it unhealthy then (seen: the survivor of a kill marked NotReady, every
+# moved turn answered 503) loses a live replica; a dead one refuses at once, so a 30 s timeout
+# costs nothing in detecting it. --gateway-arg comes later and wins.
 GATEWAY_FAILOVER_ARGS = ("--health-check-interval-secs", "5", "--health-failure-threshold", "2",
-                         "--cb-failure-threshold", "2")
+                         "--health-check-timeout-secs", "30", "--cb-failure-threshold", "2")
 SECRET_FILE_ENV = "VERICACHE_TIER_SECRET_FILE"  # tier/secret.py
 
 
