@@ -1,0 +1,254 @@
+"""Fleet benchmark: agent sessions through SGLang's gateway (``smg``, ``cache_aware``) in front of
+``--replicas`` replicas on one machine, with and without a shared KV tier.
+
+Every configuration serves the same seeded agent sessions (``scripts/agentic_workload.py``: a
+shared system prompt + tool schemas, a growing history, ~90% prefix reuse per turn), all sessions
+at once, greedy, through one gateway URL (started by ``python -m sglang_vericache.fleet
+--worker-urls``: the gateway alone, in front of replicas this script starts):
+
+- (a) ``plain``: plain SGLang replicas (radix LRU per replica; an evicted or moved prefix is
+  recomputed);
+- (b) ``hicache``: plain replicas with SGLang's own host tier (``--enable-hierarchical-cache``);
+  where it does not start on this machine the row says why;
+- (c) ``vericache-zmq``: ``--vericache`` replicas sharing one zmq KV server (throttled to
+  ``--bandwidth-mbps``, a network's speed rather than loopback's); a prefix evicted here or
+  computed on another replica is fetched back, drafting from the compressed copy meanwhile;
+- (d) ``vericache-lmcache``: the same sharing LMCache's server (needs ``lmcache`` importable:
+  run from the venv ``scripts/lmcache_venv.sh`` builds; otherwise the row says so).
+
+At an ample per-replica budget (``--max-total-tokens`` holding every session's final prefix) and
+a tight one (``--holds-tight`` sessions' worth per replica). Then, at ``--kill-budget``, each of
+``--kill-configs`` again with replica 0 SIGKILLed once half the turns have answered: its
+sessions move to the others (the replay sends a failed turn again, as an agent would: up to 4
+times, 1, 2, 4 and 8 s later). Reported: per-turn TTFT and end-to-end latency (median, p90),
+output tok/s, prompt tokens recomputed, tokens the tier served, answers identical to (a)'s at
+the first budget, and after the kill the time from the kill (or the turn's start, if later) to
+each session's next answer.
+
+    python benchmark/fleet_sessions.py                 # 8 sessions x 4 turns, 2 replicas
+    python benchmark/fleet_sessions.py --configs plain vericache-zmq --budgets tight
+
+Writes benchmark/results/fleet_sessions.{json,md}; replica, gateway and tier logs under the
+printed work directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmark"))
+sys.path.insert(0, str(REPO / "scripts"))
+
+from agent_capacity import budget_tokens  # noqa: E402
+from agentic_tool_calls import vericache_counters  # noqa: E402
+from fleet_sessions_report import markdown, summarize  # noqa: E402
+from remote_prefix import build_sessions, session_args  # noqa: E402
+from replay_agentic import replay  # noqa: E402
+
+from sglang_vericache.exactness.server import SGLangServer  # noqa: E402
+from testkit.tier_server import ServerProcess  # noqa: E402
+
+# SGLang's host tier at 2 GB per replica, room for every session's KV many times over (its auto
+# size keeps 10 GiB of host memory free, which a small machine does not have); torch copies:
+# its "kernel" I/O backend is CUDA's
+HICACHE_FLAGS = ("--enable-hierarchical-cache", "--hicache-size", "2", "--hicache-io-backend",
+                 "direct")
+MODEL_NAME = "fleet-bench"  # the gateway routes chat requests by the served model name
+LMCACHE_CHUNK_TOKENS = 128  # the tier's chunk (sglang_vericache.fleet.plan.LMCACHE_CHUNK_TOKENS)
+
+
+@dataclass(frozen=True)
+class FleetConfig:
+    label: str
+    replica_flags: tuple[str, ...]
+    tier: str | None  # None, "zmq" or "lmcache"
+
+
+def configs(compressor: str) -> dict[str, FleetConfig]:
+    vc = ("--vericache", "--vericache-compressor", compressor)
+    return {"plain": FleetConfig("(a) plain replicas", (), None),
+            "hicache": FleetConfig("(b) plain + HiCache", HICACHE_FLAGS, None),
+            "vericache-zmq": FleetConfig("(c) --vericache + zmq KV server", vc, "zmq"),
+            "vericache-lmcache": FleetConfig("(d) --vericache + LMCache", vc,
+                                             "lmcache")}  # fmt: skip
+
+
+def say(msg: str) -> None:
+    print(f"[fleet_sessions {datetime.now(UTC):%H:%M:%S}] {msg}", file=sys.stderr, flush=True)
+
+
+class Gateway:
+    """``python -m sglang_vericache.fleet --worker-urls ...``: smg in front of running replicas;
+    ``url`` once it lists the served model."""
+
+    def __init__(self, worker_urls: list[str], log_dir: Path) -> None:
+        cmd = [sys.executable, "-m", "sglang_vericache.fleet", "--worker-urls", *worker_urls,
+               "--served-model-name", MODEL_NAME, "--port", "0", "--log-dir", str(log_dir)]
+        self.log = open(log_dir / "fleet-gateway.stderr", "wb")
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self.log, text=True,
+                                     start_new_session=True)  # fmt: skip
+        self.url = (self.proc.stdout.readline() if self.proc.stdout else "").strip()
+        if not self.url.startswith("http"):
+            self.stop()
+            raise RuntimeError(f"the gateway did not start: see {log_dir}/fleet-gateway.stderr")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self.log.close()
+
+
+def start_tier(stack: ExitStack, cfg: FleetConfig, args: argparse.Namespace,
+               work: Path) -> tuple[list[str], object | None]:  # fmt: skip
+    """(replica flags joining the tier, the tier process)."""
+    if cfg.tier == "zmq":
+        kv = stack.enter_context(ServerProcess("--bandwidth-mbps", str(args.bandwidth_mbps),
+                                               capacity_gb=8.0))  # fmt: skip
+        return ["--vericache-tier", kv.spec], kv
+    if cfg.tier == "lmcache":
+        from testkit.lmcache_server import LMCacheServerProcess
+
+        lm = LMCacheServerProcess(LMCACHE_CHUNK_TOKENS, l1_size_gb=8.0,
+                                  log_path=work / "lmcache.log").start()  # fmt: skip
+        stack.callback(lm.stop)
+        return ["--vericache-tier", f"lmcache://127.0.0.1:{lm.port}"], lm
+    return [], None
+
+
+def run_fleet(cfg: FleetConfig, budget: int, sessions: list[dict], args: argparse.Namespace,
+              work: Path, kill: bool) -> dict:  # fmt: skip
+    """Start tier, replicas and gateway; replay every session through the gateway; stop."""
+    base = ["--model-path", str(args.model), "--max-total-tokens", str(budget),
+            "--served-model-name", MODEL_NAME, "--enable-cache-report", "--enable-metrics"]
+    with ExitStack() as stack:
+        tier_flags, tier = start_tier(stack, cfg, args, work)
+        servers = [SGLangServer(base + list(cfg.replica_flags) + tier_flags,
+                                log_path=work / f"replica-{i}.log") for i in range(args.replicas)]
+        for s in servers:
+            stack.callback(s.stop)
+        with ThreadPoolExecutor(len(servers)) as pool:  # replicas load in parallel
+            list(pool.map(SGLangServer.start, servers))
+        gateway = Gateway([s.url for s in servers], work)
+        stack.callback(gateway.stop)
+        say(f"  fleet up at {gateway.url}; replaying {len(sessions)} sessions")
+        result, killed = replay_through(gateway.url, servers, sessions, args, kill)
+        alive = servers[1:] if kill else servers
+        result["counters"] = [vericache_counters(s.url) for s in alive] if cfg.tier else []
+        result["tier"] = tier.stats() if isinstance(tier, ServerProcess) else {}
+        if killed is not None:
+            result["kill_s"] = killed
+    return result
+
+
+def replay_through(url: str, servers: list[SGLangServer], sessions: list[dict],
+                   args: argparse.Namespace, kill: bool) -> tuple[dict, float | None]:  # fmt: skip
+    """The replay (in this process, so the kill follows its progress); with ``kill``, replica
+    0's process group is SIGKILLed once half the turns have answered. (result, kill time in
+    the replay's clock, or None)."""
+    total = sum(len(s["turns"]) for s in sessions)
+    done, lock, killed = [0], threading.Lock(), [None]
+    epoch = time.perf_counter()
+
+    def on_turn(row: dict) -> None:
+        with lock:
+            done[0] += 1
+            if kill and killed[0] is None and done[0] >= total // 2:
+                assert servers[0].proc is not None
+                os.killpg(os.getpgid(servers[0].proc.pid), signal.SIGKILL)
+                killed[0] = round(time.perf_counter() - epoch, 3)
+                say(f"  replica 0 killed at {killed[0]:.1f} s ({done[0]}/{total} turns done)")
+
+    ns = argparse.Namespace(url=[url], model=MODEL_NAME, max_tokens=args.max_tokens, turns=None,
+                            concurrency=len(sessions), think_s=args.think_s, timeout=3600.0,
+                            retries=4, retry_wait_s=1.0, send_tools=False, json_tool_calls=False,
+                            ignore_eos=True, save_text=False)  # fmt: skip
+    return replay(ns, sessions, on_turn, epoch), killed[0]
+
+
+def run_one(name: str, cfg: FleetConfig, budget_name: str, budget: int, sessions: list[dict],
+            args: argparse.Namespace, work: Path, kill: bool = False) -> dict:  # fmt: skip
+    slug = f"{budget_name}-{name}" + ("-kill" if kill else "")
+    say(f"{cfg.label}, {budget_name} budget ({budget} tokens per replica)"
+        + (", replica 0 killed midway" if kill else ""))
+    if cfg.tier == "lmcache" and importlib.util.find_spec("lmcache") is None:
+        return {"skipped": "lmcache is not importable here: bash scripts/lmcache_venv.sh builds "
+                           ".venv-lmcache; run this benchmark with its python"}  # fmt: skip
+    (work / slug).mkdir(parents=True, exist_ok=True)
+    try:
+        result = run_fleet(cfg, budget, sessions, args, work / slug, kill)
+    except Exception as e:  # noqa: BLE001 - recorded (e.g. HiCache on a CPU); the rest goes on
+        say(f"  failed: {str(e)[:400]}")
+        return {"skipped": f"did not run here: {str(e)[:600]}"}
+    (work / slug / "result.json").write_text(json.dumps(result) + "\n")
+    say(f"  {len(result['turns'])} turns, {result['summary']['errors']} errors, wall "
+        f"{result['meta']['wall_s']:.0f} s, median E2E "
+        f"{result['summary']['all']['e2e_s'].get('median', float('nan')):.2f} s")
+    return result
+
+
+def main() -> None:
+    ap = session_args(__doc__, "fleet_sessions")
+    ap.set_defaults(sessions=8, turns=4, max_tokens=32, think_s=1.0)
+    names = list(configs("x"))
+    ap.add_argument("--replicas", type=int, default=2)
+    ap.add_argument("--configs", nargs="+", default=names, choices=names)
+    ap.add_argument("--budgets", nargs="+", default=["ample", "tight"], choices=["ample", "tight"])
+    ap.add_argument("--holds-tight", type=int, default=2,
+                    help="sessions whose final prefixes fit in one replica's tight budget")
+    ap.add_argument("--kill-budget", default="tight", choices=["ample", "tight", "none"])
+    ap.add_argument("--kill-configs", nargs="+", default=["plain", "vericache-zmq"], choices=names)
+    ap.add_argument("--compressor", default="snapkv:ratio=0.25")
+    ap.add_argument("--system-tokens", type=int, default=1000)
+    args = ap.parse_args()
+    if args.replicas < 2:
+        ap.error("--replicas must be at least 2 (a fleet, and a survivor after the kill)")
+    work, sessions_path, base = build_sessions(args, "fleet-sessions-", "--system-tokens",
+                                               str(args.system_tokens))  # fmt: skip
+    args.model = Path(base[base.index("--model-path") + 1])
+    sessions = [json.loads(line) for line in sessions_path.read_text().splitlines() if line]
+    say(f"work directory {work}")
+    budgets = {"ample": budget_tokens(sessions_path, args.sessions, args.max_tokens,
+                                      args.system_tokens),
+               "tight": budget_tokens(sessions_path, args.holds_tight, args.max_tokens,
+                                      args.system_tokens)}  # fmt: skip
+    table = configs(args.compressor)
+    runs: dict[str, dict[str, dict]] = {}
+    for b in args.budgets:
+        runs[b] = {n: run_one(n, table[n], b, budgets[b], sessions, args, work)
+                   for n in args.configs}  # fmt: skip
+    if args.kill_budget != "none":
+        runs[f"{args.kill_budget}, replica killed"] = {
+            n: run_one(n, table[n], args.kill_budget, budgets[args.kill_budget], sessions, args,
+                       work, kill=True) for n in args.kill_configs}  # fmt: skip
+    report = summarize(runs, {n: c.label for n, c in table.items()}, budgets, args)
+    report["command"] = "python benchmark/fleet_sessions.py " + " ".join(sys.argv[1:])
+    report["date"] = datetime.now(UTC).strftime("%Y-%m-%d")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
+    args.out.with_suffix(".md").write_text(markdown(report))
+    print(markdown(report))
+    print(f"logs and replays: {work}")
+
+
+if __name__ == "__main__":
+    main()
