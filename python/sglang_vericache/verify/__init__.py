@@ -3,10 +3,11 @@ SGLang draws from, grammar masks along a draft chain, the per-step draft-length 
 per-request stats.
 
 Pure python + torch; no sglang import (SGLang's objects, where passed in, are duck-typed).
-``sglang_vericache.srt.decode.worker`` drives these each decode step: draft along the chain
-(``row_acceptance.draft_column``: grammar masks, argmax, sampled draws), verify, accept
-(``row_acceptance.accept_step`` over ``greedy_accept`` / ``speculative_accept``), record
-(``VeriCacheStats``), and plan the next step's draft length from measured forward costs
+``sglang_vericache.srt.decode.decode_step`` drives these each decode step through one
+``draft_chain.DraftChain``: draft along the chain (grammar masks, argmax, sampled draws:
+``row_acceptance.draft_column``), verify, accept (``row_acceptance.accept_step`` over
+``greedy_accept`` / ``speculative_accept``), settle (terminating drafts, stop tokens); then
+record (``VeriCacheStats``) and plan the next step's draft length from measured forward costs
 (``draft_length`` over ``step_plan``, ``step_cost``).
 """
 

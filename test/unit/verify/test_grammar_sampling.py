@@ -2,10 +2,10 @@
 sampling), with termination anywhere along the draft chain.
 
 ``_generate`` is the worker's step in miniature over a batch of SAMPLED, grammar-constrained
-rows (``srt/decode/decode_step.py`` ``_draft`` / ``_verify_step``): each draft column's q logits are
-masked by the row's matcher and sampled (``draft_column`` with ``SampledDrafts``), the verify's
-p logits are masked by the chain's column masks, rows are accepted by speculative sampling
-(``accept_step``) and closed on an accepted terminating draft (``GrammarChain.close``); then each
+rows, through the same ``DraftChain`` calls as ``srt/decode/decode_step.py``: each draft column's
+q logits are masked by the row's matcher and sampled (``draft``), the verify's p logits are
+masked by the chain's column masks (``mask_verify``), rows are accepted by speculative sampling
+(``accept``) and closed on an accepted terminating draft (``settle``); then each
 matcher advances over the committed run as SGLang's ``_accept_grammar_tokens`` does (asserting
 it drops nothing past termination). Each row runs until its grammar terminates.
 
@@ -28,9 +28,8 @@ import torch
 from grammar_stubs import BoolMaskGrammar
 from scipy import stats
 
-from sglang_vericache.verify.row_acceptance import SampledDrafts, accept_step, draft_column
 from sglang_vericache.verify import TOP_K_ALL
-from sglang_vericache.verify.grammar_chain import GrammarChain
+from sglang_vericache.verify.draft_chain import DraftChain
 
 TABLE = 4096  # prefix hash buckets of the toy model
 PRIME = 2_147_483_647
@@ -135,14 +134,14 @@ class PrefixGrammar(BoolMaskGrammar):
 
 
 
-def sampling_info(rows: int, temperature: float) -> SimpleNamespace:
+def sampling_info(rows: int, temperature: float, vocab: int) -> SimpleNamespace:
     """The ``SamplingBatchInfo`` fields ``RowSampling.from_sampling_info`` reads: plain
     temperature sampling for every row."""
     return SimpleNamespace(
         temperatures=torch.full((rows, 1), temperature), top_ps=torch.ones(rows),
         top_ks=torch.full((rows,), TOP_K_ALL, dtype=torch.int32), min_ps=torch.zeros(rows),
         is_all_greedy=False, need_top_k_sampling=False, need_top_p_sampling=False,
-        need_min_p_sampling=False, max_top_k=None, sampling_seed=None,
+        need_min_p_sampling=False, max_top_k=None, sampling_seed=None, vocab_size=vocab,
     )  # fmt: skip
 
 
@@ -150,27 +149,25 @@ def _step(model: PrefixModel, grammars: list[PrefixGrammar], drafts: int,
           gen: torch.Generator) -> list[list[int]]:  # fmt: skip
     """One drafted step over these rows; returns each row's committed run."""
     n, width = len(grammars), drafts + 1
-    reqs = [SimpleNamespace(sampling_params=SimpleNamespace(sampling_seed=None))] * n
-    sampled = SampledDrafts.start(sampling_info(n, model.temperature), reqs, list(range(n)),
-                                  torch.zeros(n, dtype=torch.int64), width, gen,
-                                  torch.device("cpu"))  # fmt: skip
-    chain = GrammarChain.start(grammars, list(range(n)), width, model.vocab, torch.device("cpu"))
-    rows = torch.zeros(n, width, dtype=torch.int64)
+    reqs = [SimpleNamespace(sampling_params=SimpleNamespace(sampling_seed=None), grammar=g)
+            for g in grammars]  # fmt: skip
+    info = sampling_info(n, model.temperature, model.vocab)
+    every = list(range(n))
+    chain = DraftChain.start(torch.zeros(n, dtype=torch.int64), width, every, reqs=reqs,
+                             sampling_info=info, sampled_rows=every, grammar_rows=every,
+                             positions=torch.zeros(n, dtype=torch.int64), generator=gen)  # fmt: skip
     codes = [torch.tensor([g.codes[-1] for g in grammars])]  # prefix before verify column j
     try:
         for j in range(drafts):
-            logits = model.q[codes[j] % TABLE].clone()
-            rows[:, j + 1] = draft_column(j, logits, sampled, chain)
-            codes.append(extend(codes[j], rows[:, j + 1]))
-        chain.fill(width - 1)
+            chain.draft(j, model.q[codes[j] % TABLE].clone())
+            codes.append(extend(codes[j], chain.rows[:, j + 1]))
+        chain.end_drafts()
         chain.check_integrity()
     finally:
-        chain.rollback()
+        chain.grammar.rollback()
     verify = torch.stack([model.p[c % TABLE] for c in codes], dim=1).view(n * width, -1)
-    chain.apply(verify)
-    draft_lens = torch.full((n,), drafts, dtype=torch.int32)
-    chain.limit(draft_lens)
-    result = chain.close(accept_step(rows, verify, draft_lens, sampled), draft_lens)
+    chain.mask_verify(verify)
+    result = chain.settle(chain.accept(verify), [frozenset()] * n)
     return [result.row_tokens(k) for k in range(n)]
 
 

@@ -68,10 +68,8 @@ from sglang_vericache.srt.kv.reinstate import still_demoted
 from sglang_vericache.srt.metrics import VeriCacheExporter
 from sglang_vericache.srt.prefix.draft_ahead import DraftAhead, batch_proposals
 from sglang_vericache.verify import VerifyRecord
-from sglang_vericache.verify.accept import stop_at_first_stop_token
 from sglang_vericache.verify.draft_length import DraftLengthController
-from sglang_vericache.verify.grammar_chain import GrammarChain
-from sglang_vericache.verify.row_acceptance import SampledDrafts, draft_column
+from sglang_vericache.verify.draft_chain import DraftChain
 from sglang_vericache.verify.step_cost import ForwardKind, ForwardShape
 from sglang_vericache.verify.step_plan import PLAIN_FASTER
 from sglang_vericache.verify.step_profile import Phase, StepClock
@@ -204,11 +202,10 @@ class DecodeStep:
         tokens, ones = one_token_rows(out, self.speculative_num_draft_tokens)
         return self.result(batch, tokens, ones, (base + 1).to(self.device), out.logits_output)
 
-    def _draft(self, batch, base: torch.Tensor, rows: torch.Tensor, drafted: list[int],
-               sampled: SampledDrafts | None, grammar: GrammarChain | None) -> float:  # fmt: skip
-        """Fill rows[:, 1:] from the compressed views (rows[:, 0] = last token): greedy rows take
-        the argmax, ``sampled``'s rows a sample of q (kept in ``sampled`` for the verify);
-        ``grammar``'s rows draw from masked logits and keep every column's mask for the verify.
+    def _draft(self, batch, base: torch.Tensor, chain: DraftChain, drafted: list[int]) -> float:
+        """Fill the chain's drafts from the compressed views: greedy rows take the argmax,
+        sampled rows a sample of q (kept for the verify), grammar rows draw from masked logits
+        and keep every column's mask for the verify (``verify/draft_chain.py``).
 
         Rows not in ``drafted`` ride along (one batch, one forward) attending over their own
         draft chain only; their drafts are never verified. The logits are raw (``is_verify``
@@ -220,33 +217,31 @@ class DecodeStep:
         for i in drafted:
             states[i] = self.states[batch.reqs[i].rid]
         attn, offloader = self.attn(), self.offloader()
-        plan = attn.draft = DraftPlan(base.tolist(), states, rows.shape[1] - 1,
+        plan = attn.draft = DraftPlan(base.tolist(), states, chain.width - 1,
                                       self.draft_kernel, self.paged_draft,
                                       self.pool_kivi_draft)  # fmt: skip
         spent = 0.0
         try:
-            for j in range(rows.shape[1] - 1):
+            for j in range(chain.width - 1):
                 started = time.perf_counter()
-                set_decode_inputs(batch, offloader.table, rows[:, j], base, j)
+                set_decode_inputs(batch, offloader.table, chain.rows[:, j], base, j)
                 with drafting(self.precision):
                     out = self.target_worker.forward_batch_generation(batch, is_verify=True)
-                rows[:, j + 1] = draft_column(j, out.logits_output.next_token_logits, sampled,
-                                              grammar)  # fmt: skip
+                chain.draft(j, out.logits_output.next_token_logits)
                 seconds = time.perf_counter() - started
                 self.draft_length.observe_forward(ForwardKind.DRAFT,
                                                   ForwardShape.draft(plan.view_tokens, j),
                                                   seconds)  # fmt: skip
                 self.clock.count_draft_forward()
                 spent += seconds
-            if grammar is not None:
-                grammar.fill(rows.shape[1] - 1)
+            chain.end_drafts()
         finally:
             attn.draft = None
             self.clock.note_transient(plan.transient_bytes)
-            if grammar is not None:
+            if chain.grammar is not None:
                 # the scheduler advances the matchers over what commits; a matcher that
                 # cannot undo its drafts ends its request, not the scheduler
-                roll_back_or_abort(grammar, batch.reqs)
+                roll_back_or_abort(chain.grammar, batch.reqs)
         return spent
 
     def _verify_step(self, batch, step: StepRows, drafts: int):
@@ -272,19 +267,17 @@ class DecodeStep:
             self.ahead(), batch.reqs, width - 1, self.book.ahead_used, self.device)
         if ahead is not None:  # every request was drafted while its prefix was fetched
             width = 1 + ahead.shape[1]
-        rows = torch.empty(bs, width, dtype=torch.int64, device=self.device)
-        rows[:, 0] = last_tokens(batch, self.device)
-        sampled = SampledDrafts.start(batch.sampling_info, batch.reqs, step.sampled, base, width,
-                                      self.generator, self.device)  # fmt: skip
-        grammar = GrammarChain.start([batch.reqs[i].grammar for i in step.grammar], step.grammar,
-                                     width, batch.sampling_info.vocab_size, self.device)  # fmt: skip
+        chain = DraftChain.start(last_tokens(batch, self.device), width, drafted,
+                                 reqs=batch.reqs, sampling_info=batch.sampling_info,
+                                 sampled_rows=step.sampled, grammar_rows=step.grammar,
+                                 positions=base, generator=self.generator)  # fmt: skip
         if ahead is not None:
-            rows[:, 1:] = ahead
+            chain.propose(ahead)
         else:
-            drafting_seconds = self._draft(batch, base, rows, drafted, sampled, grammar)
+            drafting_seconds = self._draft(batch, base, chain, drafted)
         self._lap(Phase.DRAFT)
 
-        set_verify_inputs(batch, offloader.table, rows, base)
+        set_verify_inputs(batch, offloader.table, chain.rows, base)
         attn = self.attn()
         attn.capture = QueryCapture(width)
         stager.ready()
@@ -293,16 +286,11 @@ class DecodeStep:
         finally:
             capture, attn.capture = attn.capture, None
             stager.release()
-        draft_lens = torch.zeros(bs, dtype=torch.int32, device=self.device)
-        draft_lens[drafted] = width - 1
-        if grammar is not None:
-            grammar.limit(draft_lens)
-            grammar.apply(out.logits_output.next_token_logits)  # logprobs are of masked logits
-        accepted = commit_verify(self.model_runner, batch, out.logits_output, rows, draft_lens,
-                                 sampled, plain_rows, base.to(self.device))  # fmt: skip
-        if grammar is not None:  # an accepted terminating draft is its row's last token
-            accepted = grammar.close(accepted, draft_lens)
-        accepted = stop_at_first_stop_token(accepted, [stop_token_ids(r) for r in batch.reqs])
+        chain.mask_verify(out.logits_output.next_token_logits)
+        accepted = commit_verify(self.model_runner, batch, out.logits_output, chain, plain_rows,
+                                 base.to(self.device))  # fmt: skip
+        accepted = chain.settle(accepted, [stop_token_ids(r) for r in batch.reqs])
+        draft_lens = chain.draft_lens
         self._lap(Phase.VERIFY)
         predict, accept_lens = accepted.committed, accepted.accept_lens
         for i in drafted:

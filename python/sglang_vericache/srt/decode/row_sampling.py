@@ -37,26 +37,26 @@ import torch
 from sglang.srt.layers.logits_processor import LogitsProcessorOutput
 from sglang.srt.layers.logprob_processor import compute_spec_logprobs
 
-from sglang_vericache.verify.row_acceptance import SampledDrafts, accept_step
 from sglang_vericache.verify.accept import AcceptResult
+from sglang_vericache.verify.draft_chain import DraftChain
 
 
 def commit_verify(model_runner: Any, batch: Any, verify_out: LogitsProcessorOutput,
-                  rows: torch.Tensor, draft_lens: torch.Tensor, sampled: SampledDrafts | None,
-                  plain_rows: list[int], positions: torch.Tensor) -> AcceptResult:  # fmt: skip
+                  chain: DraftChain, plain_rows: list[int],
+                  positions: torch.Tensor) -> AcceptResult:  # fmt: skip
     """Every row's committed tokens from one verify, and their logprobs when asked.
 
-    rows: [bs, W] int64 verify inputs; draft_lens: [bs] int32 (0 for plain rows); sampled: the
-    step's sampled rows or None; plain_rows: rows that take SGLang's sample at column 0;
-    positions: [bs] int64 positions of the last committed tokens.
+    chain: the step's verify rows ([bs, W] int64), draft lengths (0 for plain rows) and sampled
+    rows; plain_rows: rows that take SGLang's sample at column 0; positions: [bs] int64
+    positions of the last committed tokens.
     Returns the merged ``AcceptResult``; its ``committed`` [bs, W] holds plain rows' sample at
     column 0. ``verify_out.next_token_logits`` is read, never modified.
     """
     logits = verify_out.next_token_logits
-    accepted = accept_step(rows, logits, draft_lens, sampled)
+    accepted = chain.accept(logits)
     first = None
     if plain_rows:
-        tokens, first = sample_first_column(model_runner, batch, logits, rows.shape[1], positions)
+        tokens, first = sample_first_column(model_runner, batch, logits, chain.width, positions)
         accepted.committed[plain_rows, 0] = tokens[plain_rows]
     if batch.return_logprob:
         fill_spec_logprobs(batch, verify_out, accepted.committed, first, plain_rows)
