@@ -63,10 +63,10 @@ from replay_agentic import replay  # noqa: E402
 from sglang_vericache.exactness.server import SGLangServer  # noqa: E402
 from testkit.tier_server import ServerProcess  # noqa: E402
 
-# SGLang's host tier at 2 GB per replica, room for every session's KV many times over (its auto
-# size keeps 10 GiB of host memory free, which a small machine does not have); torch copies:
-# its "kernel" I/O backend is CUDA's
-HICACHE_FLAGS = ("--enable-hierarchical-cache", "--hicache-size", "2", "--hicache-io-backend",
+# SGLang's host tier at 1 GB per replica, room for every session's KV. SGLang keeps 10 GiB of
+# host memory free even with an explicit size (a replica refuses to start otherwise: on a 24 GiB
+# machine, start this benchmark alone); torch copies: its "kernel" I/O backend is CUDA's
+HICACHE_FLAGS = ("--enable-hierarchical-cache", "--hicache-size", "1", "--hicache-io-backend",
                  "direct")
 MODEL_NAME = "fleet-bench"  # the gateway routes chat requests by the served model name
 LMCACHE_CHUNK_TOKENS = 128  # the tier's chunk (sglang_vericache.fleet.plan.LMCACHE_CHUNK_TOKENS)
