@@ -83,17 +83,16 @@ def fuzz(res: Results) -> list[str]:
 SOAK_TEXT = """
 The fuzzer's mix plus 10% client disconnects and 3% aborts at concurrency 16, plain SGLang and
 `--vericache` (zmq KV tier) side by side, drained and sampled idle every minute (process-tree
-memory, resident plus swapped out; open files, idle pool tokens, tier bytes in flight; slopes per
-hour after the first sample). A five-minute version runs in the test command.
+memory: anonymous resident plus swapped out; open files, idle pool tokens, tier bytes in flight;
+slopes per hour after the first sample). A five-minute version runs in the test command.
 """
 
 
 SOAK_LIMITS = """
-Limits, plainly: this hour predates host KV buffers as own mappings and the idle heap trim; most of
-`--vericache`'s 5.1 -> 6.1 GB was the compressed prefixes kept for next turns (capped at 512 MiB
-counted, ~1.3x held) and freed heap glibc kept. 28 minutes on the fix (9a24362, `soak_idle_trim.md`,
-anonymous + swap): 4,085 -> 4,264 MiB (+27 MiB/h, second half -1,115; the cache 490 MiB at most),
-plain +180 MiB/h, 0 failed, 1,065 greedy answers equal. The hour on the fix is not yet run.
+Limits, plainly: one hour, one seed, one mix, on 2 shared cores. `--vericache`'s memory rises and
+falls with the compressed prefixes it keeps for next turns (capped at 512 MiB counted, about 1.3x
+that held; 511 MiB counted at most here) and with the heap trimmed when it idles: 4,294 MiB at the
+first sample, 5,217 at the highest, 4,392 at the last; the slopes are over all samples.
 """
 
 

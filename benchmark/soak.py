@@ -215,14 +215,15 @@ def ok(report: dict[str, Any]) -> bool:
 def markdown(report: dict[str, Any], command: str) -> str:
     lines = [f"Soak: `{command}` ({time.strftime('%Y-%m-%d')}; {report['wall_s']:.0f} s wall, "
              f"concurrency {report['concurrency']} per server, seed {report['seed']}).", "",
-             "| server | requests | failed | alive | memory (RSS + swap) first -> last (MiB) "
+             "| server | requests | failed | alive | memory (anonymous + swap) first -> last (MiB) "
              "| memory slope (MiB/h) "
              "| fds first -> last | fd slope (/h) | idle pool tokens first -> last | tier bytes "
              "in flight (idle, last) | median s, first -> last window |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for name, s in report["servers"].items():
         tr = s["trends"]
-        rss, fds, pool = tr.get("memory_bytes", {}), tr.get("fds", {}), tr.get("idle_used_tokens", {})
+        rss, fds = tr.get("memory_bytes", {}), tr.get("fds", {})
+        pool = tr.get("idle_used_tokens", {})
         tier = tr.get("tier_bytes_in_flight", {}).get("last", "-")
         mib = lambda v: f"{v / 2**20:.0f}" if isinstance(v, (int, float)) else "-"  # noqa: E731
         first, last = s["first_window"] or {}, s["last_window"] or {}
