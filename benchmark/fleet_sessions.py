@@ -198,7 +198,7 @@ def run_one(name: str, cfg: FleetConfig, budget_name: str, budget: int, sessions
         result = run_fleet(cfg, budget, sessions, args, work / slug, kill)
     except Exception as e:  # noqa: BLE001 - recorded (e.g. HiCache on a CPU); the rest goes on
         say(f"  failed: {str(e)[:400]}")
-        return {"skipped": f"did not run here: {str(e)[:600]}"}
+        return {"skipped": f"did not run here: {str(e)[-4000:]}"}  # the log tail says why
     (work / slug / "result.json").write_text(json.dumps(result) + "\n")
     say(f"  {len(result['turns'])} turns, {result['summary']['errors']} errors, wall "
         f"{result['meta']['wall_s']:.0f} s, median E2E "

@@ -51,9 +51,16 @@ def next_answers(rows: list[dict], kill_s: float) -> list[float | None]:
     return waits
 
 
+def skip_reason(text: str) -> str:
+    """The line that says why a configuration did not run: the last ``...Error: ...`` line of
+    its log tail when there is one (a server's start-up traceback), else the first line."""
+    errors = [ln.strip() for ln in text.splitlines() if "Error: " in ln]
+    return (errors[-1] if errors else text.splitlines()[0] if text else "?")[:300]
+
+
 def summarize_run(run: dict, reference: dict[tuple[str, int], str]) -> dict[str, Any]:
     if "skipped" in run:
-        return {"skipped": run["skipped"]}
+        return {"skipped": skip_reason(run["skipped"])}
     rows = run["turns"]
     ok = [r for r in rows if "error" not in r]
     hits = sum(c.get("vericache:tier_link_events", {}).get("hits_tokens", 0.0)

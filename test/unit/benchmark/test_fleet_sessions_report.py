@@ -9,7 +9,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(REPO / "benchmark"))
 
-from fleet_sessions_report import markdown, next_answers, summarize  # noqa: E402
+from fleet_sessions_report import markdown, next_answers, skip_reason, summarize  # noqa: E402
 
 
 def row(sid: str, turn: int, start: float, e2e: float, *, prompt: int = 1000, cached: int = 0,
@@ -63,3 +63,11 @@ def test_summary_compares_answers_and_speedups_with_plain_at_the_first_phase() -
     text = markdown(report)
     assert "**2.00x**" in text and "not run: did not run here: no CUDA" in text
     assert "next answer after the kill" in text and "2/3" in text
+
+
+def test_a_skipped_configuration_is_named_by_its_error_line() -> None:
+    tail = ("server exited with status -9 during start-up (args: ...); log tail:\n"
+            "  File \"torch/cuda/__init__.py\", line 591, in _lazy_init\n"
+            "RuntimeError: Found no NVIDIA driver on your system.\n[...] kill_process_tree\n")
+    assert skip_reason(tail) == "RuntimeError: Found no NVIDIA driver on your system."
+    assert skip_reason("lmcache is not importable here") == "lmcache is not importable here"
