@@ -93,6 +93,8 @@ def run_turn(args: argparse.Namespace, messages: list[dict], tools: list[dict],
                 pieces.append(text)
             finish = choice.get("finish_reason") or finish
     end = time.perf_counter()
+    if finish is None:  # a complete stream names why it ended; a cut one (a dead server) does not
+        raise RuntimeError(f"the stream ended without a finish_reason after {len(pieces)} pieces")
     output = "".join(pieces)
     details = usage.get("prompt_tokens_details") or {}
     return {

@@ -165,3 +165,36 @@ def test_replay_sends_a_failed_turn_again_or_stops_the_session(workload, tmp_pat
     assert all("error" not in r for r in rows)
     assert rows[0]["start_s"] < rows[1]["start_s"] < rows[2]["start_s"]
     assert rows[1]["e2e_s"] >= rows[1]["ttft_s"] > 0
+
+
+class _CutsTheStream(_FakeChat):
+    """Streams two pieces, then the connection ends: no finish_reason, no [DONE] (a server
+    killed mid-answer, as a gateway passes it on)."""
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Connection", "close")
+        self.end_headers()
+        for w in ("half ", "an answer"):
+            event = {"choices": [{"delta": {"content": w}, "finish_reason": None}]}
+            self.wfile.write(b"data: " + json.dumps(event).encode() + b"\n\n")
+
+
+def test_a_stream_cut_midway_is_a_failed_turn_not_a_short_answer(workload, tmp_path):
+    replay = _load("replay_agentic")
+    sessions = tmp_path / "s.jsonl"
+    assert workload.main(["--sessions", "1", "--turns", "2", "--system-tokens", "900",
+                          "-o", str(sessions)]) == 0
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _CutsTheStream)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        out = tmp_path / "r.json"
+        rc = replay.main([str(sessions), "--url", f"http://127.0.0.1:{server.server_port}",
+                          "--max-tokens", "3", "-o", str(out)])
+    finally:
+        server.shutdown()
+        server.server_close()
+    rows = json.loads(out.read_text())["turns"]
+    assert rc == 1 and len(rows) == 1 and "without a finish_reason" in rows[0]["error"]
