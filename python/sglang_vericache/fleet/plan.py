@@ -32,9 +32,16 @@ LMCACHE_QUIET_ENV = {"LMCACHE_TRACK_USAGE": "false", "DO_NOT_TRACK": "1",
 # dead one: its /health can take longer than smg's 5 s while it prefills a long prompt on a
 # loaded CPU, and marking it unhealthy then (seen: the survivor of a kill marked NotReady, every
 # moved turn answered 503) loses a live replica; a dead one refuses at once, so a 30 s timeout
-# costs nothing in detecting it. --gateway-arg comes later and wins.
+# costs nothing in detecting it. smg's worker overload protection (on by default) leaves a
+# replica out of routing at 80% KV usage or 8 queued requests while another is under them, and
+# a dead replica's last load reads as 0: after a kill the survivor of a tight-budget fleet was
+# vetoed in favour of the dead one, whose circuit is open, and moved turns got 503
+# "no_available_workers" until the dead one was dropped (~30 s). A nearly full KV pool is how
+# VeriCache replicas are meant to run; SGLang queues what does not fit. --gateway-arg comes
+# later and wins.
 GATEWAY_FAILOVER_ARGS = ("--health-check-interval-secs", "5", "--health-failure-threshold", "2",
-                         "--health-check-timeout-secs", "30", "--cb-failure-threshold", "2")
+                         "--health-check-timeout-secs", "30", "--cb-failure-threshold", "2",
+                         "--disable-worker-overload-protection")
 SECRET_FILE_ENV = "VERICACHE_TIER_SECRET_FILE"  # tier/secret.py
 
 

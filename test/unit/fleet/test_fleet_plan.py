@@ -76,6 +76,7 @@ def test_the_gateway_routes_to_every_replica_as_the_installed_smg_parses_it() ->
     assert args.health_check_interval_secs == 9  # the user's --gateway-arg wins
     assert args.health_failure_threshold == 2 and args.cb_failure_threshold == 2
     assert args.health_check_timeout_secs == 30  # a busy replica is not a dead one
+    assert args.worker_overload_protection is False  # a full pool is not an overload here
     assert gateway.check is ReadyCheck.GATEWAY_MODELS and gateway.target == plan.url
 
 
