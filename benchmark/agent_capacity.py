@@ -37,6 +37,7 @@ sys.path.insert(0, str(REPO / "benchmark"))
 
 from agentic_tool_calls import vericache_counters  # noqa: E402
 from remote_prefix import SAME_ATTENTION_ARGS, build_sessions, session_args  # noqa: E402
+from remote_prefix import write_report  # noqa: E402
 from remote_prefix import replay as replay_sessions  # noqa: E402
 
 from sglang_vericache.exactness.server import SGLangServer  # noqa: E402
@@ -193,10 +194,7 @@ def main() -> None:
     runs = {name: run_config(name, drafting, base + flags, sessions, work, args)
             for name, (drafting, flags) in CONFIGS.items()}  # fmt: skip
     report = summarize(runs, budget, args)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
-    args.out.with_suffix(".md").write_text(markdown(report))
-    print(markdown(report))
+    write_report(args.out, report, markdown(report))
     print(f"server logs and replays: {work}")
 
 

@@ -57,7 +57,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 from agent_capacity import budget_tokens  # noqa: E402
 from agentic_tool_calls import vericache_counters  # noqa: E402
 from fleet_sessions_report import markdown, summarize  # noqa: E402
-from remote_prefix import build_sessions, session_args  # noqa: E402
+from remote_prefix import build_sessions, session_args, write_report  # noqa: E402
 from replay_agentic import replay  # noqa: E402
 
 from sglang_vericache.exactness.server import SGLangServer  # noqa: E402
@@ -243,10 +243,7 @@ def main() -> None:
     report = summarize(runs, {n: c.label for n, c in table.items()}, budgets, args)
     report["command"] = "python benchmark/fleet_sessions.py " + " ".join(sys.argv[1:])
     report["date"] = datetime.now(UTC).strftime("%Y-%m-%d")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
-    args.out.with_suffix(".md").write_text(markdown(report))
-    print(markdown(report))
+    write_report(args.out, report, markdown(report))
     print(f"logs and replays: {work}")
 
 

@@ -81,6 +81,14 @@ def session_args(doc: str, out: str) -> argparse.ArgumentParser:
     return ap
 
 
+def write_report(out: Path, report: dict, text: str) -> None:
+    """``out``.json (the report) and ``out``.md (``text``), then ``text`` on stdout."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
+    out.with_suffix(".md").write_text(text)
+    print(text)
+
+
 def build_sessions(args: argparse.Namespace, prefix: str,
                    *workload: str) -> tuple[Path, Path, list[str]]:  # fmt: skip
     """(work dir, sessions.jsonl, base server args) for the embedded model; ``workload``: more

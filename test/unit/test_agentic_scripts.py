@@ -124,6 +124,22 @@ def test_replay_appends_answers_and_measures_each_turn(workload, tmp_path):
     assert 0.8 < rows[1]["reuse"] < 1.0
 
 
+def _replay_against(handler: type, tmp_path: Path, sessions: Path, *argv: str) -> tuple[int, list]:
+    """``replay_agentic.main`` over ``sessions`` against a local server of ``handler``:
+    (exit status, the result's turn rows)."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    out = tmp_path / "r.json"
+    try:
+        rc = _load("replay_agentic").main([str(sessions), "--url",
+                                           f"http://127.0.0.1:{server.server_port}",
+                                           "--max-tokens", "3", *argv, "-o", str(out)])
+    finally:
+        server.shutdown()
+        server.server_close()
+    return rc, json.loads(out.read_text())["turns"]
+
+
 class _FailsEverySecondCall(_FakeChat):
     """Answers 503 to every second request (a replica that died under the gateway)."""
 
@@ -142,21 +158,12 @@ class _FailsEverySecondCall(_FakeChat):
 
 @pytest.mark.parametrize("retries", [0, 1])
 def test_replay_sends_a_failed_turn_again_or_stops_the_session(workload, tmp_path, retries):
-    replay = _load("replay_agentic")
     sessions = tmp_path / "s.jsonl"
     assert workload.main(["--sessions", "1", "--turns", "3", "--system-tokens", "900",
                           "-o", str(sessions)]) == 0
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _FailsEverySecondCall)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
     _FailsEverySecondCall.calls, _FakeChat.seen = 0, []
-    try:
-        out = tmp_path / "r.json"
-        rc = replay.main([str(sessions), "--url", f"http://127.0.0.1:{server.server_port}",
-                          "--max-tokens", "3", "--retries", str(retries), "--retry-wait-s", "0.05", "-o", str(out)])
-    finally:
-        server.shutdown()
-        server.server_close()
-    rows = json.loads(out.read_text())["turns"]
+    rc, rows = _replay_against(_FailsEverySecondCall, tmp_path, sessions, "--retries",
+                               str(retries), "--retry-wait-s", "0.05")
     if retries == 0:  # turn 1's request fails: the session stops there
         assert rc == 1 and [r["turn"] for r in rows] == [0, 1]
         assert "HTTP 503" in rows[1]["error"] and rows[1]["attempts"] == 1
@@ -183,18 +190,8 @@ class _CutsTheStream(_FakeChat):
 
 
 def test_a_stream_cut_midway_is_a_failed_turn_not_a_short_answer(workload, tmp_path):
-    replay = _load("replay_agentic")
     sessions = tmp_path / "s.jsonl"
     assert workload.main(["--sessions", "1", "--turns", "2", "--system-tokens", "900",
                           "-o", str(sessions)]) == 0
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _CutsTheStream)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        out = tmp_path / "r.json"
-        rc = replay.main([str(sessions), "--url", f"http://127.0.0.1:{server.server_port}",
-                          "--max-tokens", "3", "-o", str(out)])
-    finally:
-        server.shutdown()
-        server.server_close()
-    rows = json.loads(out.read_text())["turns"]
+    rc, rows = _replay_against(_CutsTheStream, tmp_path, sessions)
     assert rc == 1 and len(rows) == 1 and "without a finish_reason" in rows[0]["error"]
