@@ -22,8 +22,8 @@ a tight one (``--holds-tight`` sessions' worth per replica). Then, at ``--kill-b
 sessions move to the others (the replay sends a failed turn again, as an agent would: up to 4
 times, 1, 2, 4 and 8 s later). Reported: per-turn TTFT and end-to-end latency (median, p90),
 output tok/s, prompt tokens recomputed, tokens the tier served, answers identical to (a)'s at
-the first budget, and after the kill the time from the kill (or the turn's start, if later) to
-each session's next answer.
+the first budget, and after the kill the latency of each session's first turn answered after it
+(``fleet_sessions_report.next_answers``).
 
     python benchmark/fleet_sessions.py                 # 8 sessions x 4 turns, 2 replicas
     python benchmark/fleet_sessions.py --configs plain vericache-zmq --budgets tight

@@ -182,6 +182,7 @@ def sections() -> list[tuple[str, Renderer]]:
         ("Remote prefix across replicas", tier.remote_prefix),
         ("LMCache end to end", tier.lmcache),
         ("Agent fleet capacity", tier.agent_fleet),
+        ("Agents through the gateway", tier.fleet_gateway),
         ("Drafting while the prefix is fetched", tier.fetch_drafting),
         ("Compressor acceptance", quality.compressors),
         ("Sampled output", quality.sampled),
@@ -220,6 +221,7 @@ def headline(res: Results) -> list[str]:
     rows: list[tuple[str, str, str, str]] = []
 
     from benchmark.results_page_robustness import latest_fuzz
+    from benchmark.results_page_tier import gateway_headline
 
     sweep = res.load("exactness/sweep.json") or []
     fuzz_commit, fuzz = latest_fuzz(res)
@@ -294,6 +296,7 @@ def headline(res: Results) -> list[str]:
         rows.append(("Does an agent fleet on a tight budget gain?", answer,
                      res.date("agent_capacity.json"), "Agent fleet capacity"))  # fmt: skip
 
+    rows += gateway_headline(res)
     sd = res.load("sampled_distribution.json")
     if sd:
         ps = [r[k]["p_value"] for r in sd["rows"] for k in ("first_token", "first_three")]

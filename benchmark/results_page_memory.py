@@ -58,16 +58,12 @@ a seventh) and its newest tokens; its full KV sits in a host buffer the verify r
 
 CAPACITY_LIMITS = """
 Limits, plainly:
-- On this CPU the memory layout pays more than drafting: offloading alone holds no compressed KV,
-  fits every request and captures most of the capacity gain. At 2k-token prompts and 64 new tokens
-  the runs are mostly prefill and drafting is about even with plain decoding; VeriCache is ahead of
-  offload-only where the budget binds, level with it at the ample end.
-- A fixed draft length where drafting cannot pay is pure overhead (0.85x plain at the ample end,
-  `budget_sweep.json`); `--vericache-draft-len auto` measures that and decodes plainly.
-- A prompt's compressed KV holds pool slots even while the planner decodes plainly; under a short
-  budget drafted rows give it up for admission, so VeriCache runs as many at once as offload-only.
-  Building a 2k prompt's compressed KV costs 0.14-0.2 s (SnapKV, 30 layers). A KIVI page rounds a
-  key group up to whole pool slots (6 for the 5.5 its bytes fill).
+- On this CPU the memory layout pays more than drafting: offloading alone fits every request and
+  captures most of the capacity gain; VeriCache leads offload-only where the budget binds only.
+- A fixed draft length where drafting cannot pay is pure overhead (0.85x plain at the ample end);
+  `--vericache-draft-len auto` measures that and decodes plainly.
+- Compressed KV holds pool slots while the planner decodes plainly (given up for admission under a
+  short budget) and costs 0.14-0.2 s to build for a 2k prompt (SnapKV, 30 layers).
 """
 
 
@@ -200,19 +196,15 @@ verified row, and a draft forward's time. Prompts are cut to at most the stated 
 
 STEP_LIMITS = """
 Limits, plainly:
-- Drafting pays where many rows attend over long contexts (the batch shares each forward's weight
-  reads). At batch 1 a width-8 verify costs 1.9x a plain step on this CPU, so drafting could buy at
-  most ~8%, inside the planner's 10% margin: it decodes plainly, at parity with offload-only within
-  the noise of paired rounds, less what measuring and exploring cost (1-2% of a 256-token decode).
-- KIVI at 8 x 5-7k: unpacking codes costs this CPU more than the bytes it saves (CPU kernels
-  below), so the planner decodes plainly (0.90x offload-only). A quantized body is cheaper to draft
-  from than full attention here only by what a dropper removes.
-- End to end, prefill included, VeriCache is about level with offload-only at 256 new tokens:
-  compressing long prompts is paid back only over longer outputs.
+- Drafting pays where many rows attend over long contexts. At batch 1 a width-8 verify costs 1.9x
+  a plain step on this CPU, so drafting could buy at most ~8%: the planner decodes plainly (parity
+  with offload-only, less 1-2% of a 256-token decode for measuring and exploring).
+- KIVI at 8 x 5-7k: unpacking codes costs this CPU more than the bytes it saves, so the planner
+  decodes plainly (0.90x offload-only).
+- End to end, prefill included, VeriCache is about level with offload-only at 256 new tokens.
 - Offload-only alone is 1.5-2.4x plain SGLang: a row's full KV in its own host buffer is read in
-  place, where SGLang's torch_native decode gathers scattered pool slots every layer. Host and
-  device are the same DRAM here; drafting should pay more where the link is far slower than HBM
-  (cost model). Nothing here ran on a GPU.
+  place, where SGLang's torch_native decode gathers scattered pool slots every layer. Nothing here
+  ran on a GPU.
 """
 
 CATEGORIES = ["attention (SDPA)", "linear layers", "LM head", "full-KV read", "other model ops",
@@ -264,12 +256,10 @@ queries of a head group. Milliseconds per layer (draft), per row and layer (veri
 
 KERNEL_LIMITS = """
 Limits, plainly: packed KIVI reads are 5-17x faster than dequantizing first but 1.3-1.5x slower
-than a float32 view of the same length (unpacking is arithmetic this CPU pays for); pages cost
-3-18% over tensors of their own. The verify kernel's output differs from SDPA's by float32
-rounding (the last column), as SDPA's own grouped and per-head calls differ from each other; the
-verify commits by its own logits, so exactness is tested end to end (Exactness). OpenMP: torch's
-threads spin briefly between parallel regions (`GOMP_SPINCOUNT=1000`, set by the CPU platform):
-as fast as the default spin alone, and no collapse when processes share the cores.
+than a float32 view of the same length; pages cost 3-18% over tensors of their own. The verify
+kernel differs from SDPA by float32 rounding, as SDPA's own calls differ from each other; the
+verify commits by its own logits, so exactness is tested end to end. OpenMP threads spin briefly
+between parallel regions (`GOMP_SPINCOUNT=1000`): no collapse when processes share the cores.
 """
 
 

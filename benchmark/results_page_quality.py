@@ -18,12 +18,9 @@ fixed and `auto` draft lengths, streaming, chat, a frontend program, the Engine,
 """
 
 EXACT_LIMITS = """
-Limits, plainly: the times are not a speed comparison (concurrency-1 runs shared the machine with
-other work, and the reused plain reference ran under other load); the `commit` column says which
-code each row ran. At concurrency 8 with an ample budget (65,536 tokens) VeriCache is about as fast
-as plain SGLang on this 135M model: the gains come under memory pressure and long contexts. Greedy
-output is token-identical; sampled output is identical in distribution, not token by token (Sampled
-output).
+Limits, plainly: the times are not a speed comparison (runs shared the machine; the `commit` column
+says which code each row ran); at concurrency 8 and an ample budget VeriCache is about as fast as
+plain SGLang on this 135M model. Sampled output is exact in distribution, not token by token.
 """
 
 GRAMMAR_COMMAND = ("python -m sglang_vericache.exactness "
@@ -83,11 +80,9 @@ verify against full KV, commit the matched prefix plus one (a full-KV draft acce
 
 COMPRESSOR_LIMITS = """
 Limits, plainly: quantization wins at 2-4x and collapses at 8x (2-bit keys move a 135M model's
-small logit margins); SnapKV is the best dropper at every ratio, PyramidKV no better than flat
-SnapKV, H2O and Knorm clearly worse; the composition is the best option at 8x. Each compressor,
-served alone, changes the text a user gets; behind VeriCache's verification none did. Ratios are
-against the model's KV dtype (fp32 here): with fp16/bf16 the same bit widths give quantizers about
-half the ratio. Acceptance is read off the full-KV trajectory (48 tokens a prompt).
+small logit margins); SnapKV is the best dropper at every ratio; the composition is the best at
+8x. Served alone, each compressor changes the text; behind verification none did. Ratios are
+against fp32 KV (fp16/bf16 halve a quantizer's ratio); acceptance is read off the full-KV path.
 """
 
 
@@ -130,11 +125,9 @@ homogeneity on the first token and the first three (sparse outcomes lumped), and
 """
 
 SAMPLED_LIMITS = """
-Limits, plainly: one prompt, three settings. "Committed per verify" counts what each verify
-accepted, including tokens past the 3-token limit that SGLang then drops; the acceptance rate is
-the column to read. Exact means exact in distribution: a request with a `sampling_seed` is
-reproducible run to run for the same draft lengths, but its tokens are not the ones plain SGLang
-samples for that seed (a different random stream).
+Limits, plainly: one prompt, three settings; "committed per verify" counts tokens past the 3-token
+limit that SGLang drops (read the acceptance rate). A `sampling_seed` request is reproducible run
+to run, but its tokens are not the ones plain SGLang samples for that seed (another random stream).
 """
 
 
@@ -196,11 +189,9 @@ against the better of recompute and fetch-then-decode.
 
 COST_LIMITS = """
 Limits, plainly: a projection, not a measurement. At an H200's own KV budget full-KV decoding beats
-any offloading design (the "own budget" column is below 1x everywhere): VeriCache wins only under
-a tight budget for long-context decoding and on slow links for remote prefixes. In this repo's
-single-node design the full KV crosses the slow link once, and when the link binds VeriCache is at
-most level with fetch-then-decode; the paper's topology (only compressed KV on the slow link, a
-near GPU verifies) is where the 1.3-4x lies.
+any offloading design; VeriCache wins only under a tight budget for long-context decoding and on
+slow links for remote prefixes, and the paper's topology (only compressed KV on the slow link, a
+near GPU verifies) is where its 1.3-4x lies.
 """
 
 

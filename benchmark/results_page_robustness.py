@@ -24,11 +24,10 @@ reasoning` serves `input_embeds` and wraps grammars in a reasoning parser over o
 """
 
 FUZZ_LIMITS = """
-Limits, plainly: this run (commit cc79d6e) found one greedy difference: a verify committed an EOS
-and then a newline for a request with a newline stop string; SGLang's multi-token finish check
-matches stop strings first, so the row ended after the newline, where plain decoding ends at the
-EOS. Fixed since (a verify commits nothing after a stop token); seed 2 re-run on the fix (commit
-1e5ca23): 700 requests, 0 failing (`fuzz_recheck.md`). `no-radix`, `reasoning`: not run at length.
+Limits, plainly: the first run (cc79d6e) found one greedy difference: a verify committed an EOS and
+then a newline for a request with a newline stop string (SGLang's multi-token finish check matches
+stop strings first). Fixed since: a verify commits nothing after a stop token; every later run is
+on the fix. `no-radix`, `reasoning`: not run at length.
 """
 
 

@@ -28,12 +28,12 @@ ARGS = argparse.Namespace(sessions=2, turns=2, max_tokens=8, think_s=1.0, replic
                           compressor="snapkv:ratio=0.25")  # fmt: skip
 
 
-def test_next_answer_counts_from_the_kill_or_the_later_start() -> None:
-    rows = [row("s0", 0, 0.0, 2.0), row("s0", 1, 3.0, 4.0),   # in flight at kill 5: waits 2
-            row("s1", 0, 0.0, 1.0), row("s1", 1, 6.0, 1.5),   # starts after it: waits 1.5
+def test_next_answer_is_the_whole_turn_that_ends_after_the_kill() -> None:
+    rows = [row("s0", 0, 0.0, 2.0), row("s0", 1, 3.0, 4.0),   # in flight at kill 5: 4 s
+            row("s1", 0, 0.0, 1.0), row("s1", 1, 6.0, 1.5),   # starts after it: 1.5 s
             row("s2", 0, 4.0, 0.5), {"session_id": "s2", "turn": 1, "start_s": 5.5,
                                      "error": "HTTP 503"}]  # fmt: skip
-    assert next_answers(rows, 5.0) == [2.0, 1.5, None]
+    assert next_answers(rows, 5.0) == [4.0, 1.5, None]
 
 
 def test_summary_compares_answers_and_speedups_with_plain_at_the_first_phase() -> None:
@@ -59,10 +59,10 @@ def test_summary_compares_answers_and_speedups_with_plain_at_the_first_phase() -
     assert tight["hicache"] == {"skipped": "did not run here: no CUDA",
                                 "e2e_speedup_vs_plain": None}  # fmt: skip
     kill = report["phases"]["tight, replica killed"]["vericache-zmq"]["kill"]
-    assert kill["next_answer_s"]["median"] == 4.0 and kill["recomputed_after"] == 500
+    assert kill["next_answer_s"]["median"] == 5.0 and kill["recomputed_after"] == 500
     text = markdown(report)
     assert "**2.00x**" in text and "not run: did not run here: no CUDA" in text
-    assert "next answer after the kill" in text and "2/3" in text
+    assert "first turn answered after the kill" in text and "2/3" in text
 
 
 def test_a_skipped_configuration_is_named_by_its_error_line() -> None:

@@ -50,6 +50,7 @@ def test_the_page_from_the_real_results_answers_every_question(tmp_path: Path) -
     assert headings == section_titles()
     for title in ("Exactness", "Capacity and budget sweep", "Throughput where attention dominates",
                   "Remote prefix across replicas", "LMCache end to end", "Agent fleet capacity",
+                  "Agents through the gateway",
                   "Drafting while the prefix is fetched", "Compressor acceptance",
                   "Sampled output", "Request fuzz", "Soak", "Cost model",
                   "GPU kernels"):  # fmt: skip
