@@ -58,9 +58,10 @@ from agent_capacity import budget_tokens  # noqa: E402
 from agentic_tool_calls import vericache_counters  # noqa: E402
 from fleet_sessions_report import markdown, summarize  # noqa: E402
 from remote_prefix import build_sessions, session_args, write_report  # noqa: E402
-from replay_agentic import replay  # noqa: E402
+from replay_agentic import build_parser, replay  # noqa: E402
 
 from sglang_vericache.exactness.server import SGLangServer  # noqa: E402
+from sglang_vericache.fleet.plan import LMCACHE_CHUNK_TOKENS  # noqa: E402
 from testkit.tier_server import ServerProcess  # noqa: E402
 
 # SGLang's host tier at 1 GB per replica, room for every session's KV. SGLang keeps 10 GiB of
@@ -69,7 +70,6 @@ from testkit.tier_server import ServerProcess  # noqa: E402
 HICACHE_FLAGS = ("--enable-hierarchical-cache", "--hicache-size", "1", "--hicache-io-backend",
                  "direct")
 MODEL_NAME = "fleet-bench"  # the gateway routes chat requests by the served model name
-LMCACHE_CHUNK_TOKENS = 128  # the tier's chunk (sglang_vericache.fleet.plan.LMCACHE_CHUNK_TOKENS)
 
 
 @dataclass(frozen=True)
@@ -166,23 +166,25 @@ def replay_through(url: str, servers: list[SGLangServer], sessions: list[dict],
     0's process group is SIGKILLed once half the turns have answered. (result, kill time in
     the replay's clock, or None)."""
     total = sum(len(s["turns"]) for s in sessions)
-    done, lock, killed = [0], threading.Lock(), [None]
+    done, lock, killed = 0, threading.Lock(), None
     epoch = time.perf_counter()
 
     def on_turn(row: dict) -> None:
+        nonlocal done, killed
         with lock:
-            done[0] += 1
-            if kill and killed[0] is None and done[0] >= total // 2:
+            done += 1
+            if kill and killed is None and done >= total // 2:
                 assert servers[0].proc is not None
                 os.killpg(os.getpgid(servers[0].proc.pid), signal.SIGKILL)
-                killed[0] = round(time.perf_counter() - epoch, 3)
-                say(f"  replica 0 killed at {killed[0]:.1f} s ({done[0]}/{total} turns done)")
+                killed = round(time.perf_counter() - epoch, 3)
+                say(f"  replica 0 killed at {killed:.1f} s ({done}/{total} turns done)")
 
-    ns = argparse.Namespace(url=[url], model=MODEL_NAME, max_tokens=args.max_tokens, turns=None,
-                            concurrency=len(sessions), think_s=args.think_s, timeout=3600.0,
-                            retries=4, retry_wait_s=1.0, send_tools=False, json_tool_calls=False,
-                            ignore_eos=True, save_text=False)  # fmt: skip
-    return replay(ns, sessions, on_turn, epoch), killed[0]
+    options = build_parser().parse_args([
+        "--url", url, "--model", MODEL_NAME, "--max-tokens", str(args.max_tokens),
+        "--concurrency", str(len(sessions)), "--think-s", str(args.think_s), "--timeout", "3600",
+        "--retries", "4", "--retry-wait-s", "1", "--ignore-eos"])  # fmt: skip
+    result = replay(options, sessions, on_turn, epoch)
+    return result, killed
 
 
 def run_one(name: str, cfg: FleetConfig, budget_name: str, budget: int, sessions: list[dict],

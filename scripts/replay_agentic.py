@@ -224,7 +224,7 @@ def replay(args: argparse.Namespace, sessions: list[dict], on_turn,  # type: ign
     rows = [r for rs in per_session for r in rs]
     return {
         "meta": {"url": args.url, "model": args.model, "max_tokens": args.max_tokens,
-                 "input": getattr(args, "input", None), "sessions": len(sessions),
+                 "input": args.input, "sessions": len(sessions),
                  "turns": sum(len(s["turns"][: args.turns]) for s in sessions),
                  "concurrency": args.concurrency, "send_tools": args.send_tools,
                  "started_unix": started, "wall_s": time.time() - started},
@@ -232,7 +232,9 @@ def replay(args: argparse.Namespace, sessions: list[dict], on_turn,  # type: ign
     }
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line; ``build_parser().parse_args([...])`` is also the options object
+    ``replay`` and ``run_session`` read, for callers in-process."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("input", nargs="?", help="sessions JSONL from agentic_workload.py")
     p.add_argument("--url", nargs="+", default=["http://127.0.0.1:30000"],
@@ -258,6 +260,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("-o", "--output", default="-", help="results JSON path, '-' for stdout")
     p.add_argument("--compare", nargs=2, metavar=("A.json", "B.json"),
                    help="compare two result files instead of replaying")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
     args = p.parse_args(argv)
     if args.compare:
         return compare(*args.compare)
