@@ -62,6 +62,11 @@ def skip_reason(text: str) -> str:
     return (errors[-1] if errors else text.splitlines()[0] if text else "?")[:300]
 
 
+def recomputed(rows: list[dict]) -> int:
+    """Prompt tokens the servers computed for ``rows``: prompt less what their caches served."""
+    return sum((r["prompt_tokens"] or 0) - (r.get("cached_tokens") or 0) for r in rows)
+
+
 def summarize_run(run: dict, reference: dict[tuple[str, int], str]) -> dict[str, Any]:
     if "skipped" in run:
         return {"skipped": skip_reason(run["skipped"])}
@@ -79,8 +84,7 @@ def summarize_run(run: dict, reference: dict[tuple[str, int], str]) -> dict[str,
         "output_tok_s": round(sum(r["completion_tokens"] or 0 for r in ok)
                               / max(run["meta"]["wall_s"], 1e-9), 2),  # fmt: skip
         "prompt_tokens": sum(r["prompt_tokens"] or 0 for r in ok),
-        "recomputed_tokens": sum((r["prompt_tokens"] or 0) - (r.get("cached_tokens") or 0)
-                                 for r in ok),  # fmt: skip
+        "recomputed_tokens": recomputed(ok),
         "tier_hit_tokens": int(hits),
         "tier_bytes_out": int(run.get("tier", {}).get("bytes_out", 0)),
         "identical": sum(1 for r in compared if reference[_key(r)] == r["output_sha256"]),
@@ -95,8 +99,7 @@ def summarize_run(run: dict, reference: dict[tuple[str, int], str]) -> dict[str,
             "kill_s": kill, "next_answer_s": _q([w for w in waits if w is not None]),
             "sessions_without_answer": sum(w is None for w in waits),
             "e2e_after_s": _q([r["e2e_s"] for r in after]),
-            "recomputed_after": sum((r["prompt_tokens"] or 0) - (r.get("cached_tokens") or 0)
-                                    for r in after),  # fmt: skip
+            "recomputed_after": recomputed(after),
             "prompt_after": sum(r["prompt_tokens"] or 0 for r in after),
         }
     return out
@@ -120,15 +123,16 @@ def summarize(runs: dict[str, dict[str, dict]], labels: dict[str, str], budgets:
             "phases": phases}  # fmt: skip
 
 
-def _m(q: dict | None, fmt: str = ".2f") -> str:
+def median_p90(q: dict | None, fmt: str = ".2f") -> str:
+    """``{"median", "p90"}`` as "median / p90"; "-" where there is none."""
     if not q or q.get("median") is None:
         return "-"
     return f"{q['median']:{fmt}} / {q['p90']:{fmt}}"
 
 
 ROWS = (
-    ("E2E per turn, median / p90 s", lambda s: _m(s["e2e_s"])),
-    ("TTFT per turn, median / p90 s", lambda s: _m(s["ttft_s"])),
+    ("E2E per turn, median / p90 s", lambda s: median_p90(s["e2e_s"])),
+    ("TTFT per turn, median / p90 s", lambda s: median_p90(s["ttft_s"])),
     ("median E2E, plain / this", lambda s: f"**{s['e2e_speedup_vs_plain']:.2f}x**"
      if s.get("e2e_speedup_vs_plain") else "-"),
     ("output tok/s (all sessions)", lambda s: f"{s['output_tok_s']:.1f}"),
@@ -138,8 +142,9 @@ ROWS = (
     ("failed turns (retried turns)", lambda s: f"{s['errors']} ({s['retried_turns']})"),
 )
 KILL_ROWS = (
-    ("first turn answered after the kill, E2E median / p90 s", lambda k: _m(k["next_answer_s"])),
-    ("E2E of turns ending after it, median / p90 s", lambda k: _m(k["e2e_after_s"])),
+    ("first turn answered after the kill, E2E median / p90 s",
+     lambda k: median_p90(k["next_answer_s"])),
+    ("E2E of turns ending after it, median / p90 s", lambda k: median_p90(k["e2e_after_s"])),
     ("prompt tokens recomputed after it",
      lambda k: f"{k['recomputed_after']} of {k['prompt_after']}"),
     ("sessions left without an answer", lambda k: str(k["sessions_without_answer"])),

@@ -7,7 +7,7 @@ Each renderer takes a ``results_page.Results`` and returns the section's body li
 
 from __future__ import annotations
 
-from benchmark.fleet_sessions_report import skip_reason
+from benchmark.fleet_sessions_report import median_p90, skip_reason
 from benchmark.results_page import Results, fx, prose, ratio_over_turns, span, table
 
 REMOTE_TEXT = """
@@ -204,13 +204,13 @@ def fleet_gateway(res: Results) -> list[str]:
                 note = f"- {label}: not run here: {skip_reason(s['skipped'])}"
                 notes += [note] if note not in notes else []
                 continue
-            kill = s.get("kill", {}).get("next_answer_s") or {}
+            kill = s.get("kill", {}).get("next_answer_s")
             rows.append(res.row("fleet_sessions.json", [
-                phase, label, _mp(s["e2e_s"]), _mp(s["ttft_s"]),
+                phase, label, median_p90(s["e2e_s"], ".1f"), median_p90(s["ttft_s"], ".1f"),
                 f"**{fx(s.get('e2e_speedup_vs_plain'))}**", f"{s['output_tok_s']:.1f}",
                 f"{s['recomputed_tokens']} of {s['prompt_tokens']}", s["tier_hit_tokens"],
                 f"{s['identical']}/{s['compared']}", f"{s['errors']} ({s['retried_turns']})",
-                _mp(kill) if kill else "-"], data["command"]))  # fmt: skip
+                median_p90(kill, ".1f")], data["command"]))  # fmt: skip
     lines = prose(GATEWAY_TEXT) + [""]
     lines += table(["phase", "configuration", "E2E per turn median / p90 s", "TTFT median / p90 s",
                     "median E2E vs (a)", "output tok/s", "prompt tokens recomputed",
@@ -237,10 +237,6 @@ def gateway_headline(res: Results) -> list[tuple[str, str, str, str]]:
               f"over plain replicas: {', '.join(parts)}; {same}/{total} answers identical")
     return [("Does a fleet behind SGLang's gateway gain?", answer,
              res.date("fleet_sessions.json"), "Agents through the gateway")]
-
-
-def _mp(q: dict) -> str:
-    return "-" if q.get("median") is None else f"{q['median']:.1f} / {q['p90']:.1f}"
 
 
 GATEWAY_LIMITS = """
