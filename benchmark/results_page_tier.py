@@ -230,8 +230,10 @@ def gateway_headline(res: Results) -> list[tuple[str, str, str, str]]:
         vc, plain = by_config.get("vericache-zmq", {}), by_config.get("plain", {})
         if "e2e_s" in vc and "e2e_s" in plain:
             parts.append(f"{phase}: **{fx(vc['e2e_speedup_vs_plain'])}**")
-    same = sum(s.get("identical", 0) for p in data["phases"].values() for s in p.values())
-    total = sum(s.get("compared", 0) for p in data["phases"].values() for s in p.values())
+    # (a) is the reference: only the other configurations' answers are a comparison
+    vericache = [s for p in data["phases"].values() for n, s in p.items() if n != "plain"]
+    same = sum(s.get("identical", 0) for s in vericache)
+    total = sum(s.get("compared", 0) for s in vericache)
     answer = (f"{data['sessions']} agent sessions x {data['turns']} turns through smg on "
               f"{data['replicas']} replicas sharing a KV server, median end to end per turn "
               f"over plain replicas: {', '.join(parts)}; {same}/{total} answers identical")
