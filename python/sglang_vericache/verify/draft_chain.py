@@ -8,7 +8,7 @@ The decode step (``srt/decode/decode_step.py``) enters ``verify/`` through this 
       (or chain.propose(tokens): drafts made while the prefix was fetched, all-greedy steps)
     chain.end_drafts()                                                  last grammar mask column
     chain.mask_verify(verify_logits)                                    grammar rows masked
-    accepted = chain.accept(verify_logits)          (srt: plain rows' column 0 from SGLang's sampler)
+    accepted = chain.accept(verify_logits)     (plain rows' column 0: SGLang's sampler, in srt)
     accepted = chain.settle(accepted, stop_ids)     terminating drafts close, stop tokens cut
 
     rows        [bs, W] int64   column 0 the last committed token, then each row's drafts
@@ -77,7 +77,8 @@ class DraftChain:
         """Drafts made elsewhere ([bs, W-1] int64): greedy, unmasked and without q, so only for
         a step with neither sampled nor grammar rows."""
         if self.sampled is not None or self.grammar is not None:
-            raise ValueError("proposed drafts carry no q and no grammar mask: all-greedy steps only")
+            raise ValueError("proposed drafts carry no q and no grammar mask: "
+                             "all-greedy steps only")
         self.rows[:, 1:] = tokens
 
     def end_drafts(self) -> None:
