@@ -55,6 +55,33 @@ def next_answers(rows: list[dict], kill_s: float) -> list[float | None]:
     return waits
 
 
+CARRIED = 0.9  # a moved turn "found its prefix" when this much of the previous prompt was cached
+
+
+def moved_turns(rows: list[dict]) -> dict[str, Any]:
+    """Turns the gateway sent to another replica than their session's previous turn, and how
+    many of them found that turn's prefix: cached tokens at least ``CARRIED`` of the previous
+    turn's prompt (which the other replica computed). A replica holds the shared system prompt
+    anyway, so a moved turn that recomputes its history still shows some cached tokens.
+
+        turn k-1 on replica A: [system | history_k-1]              prompt_tokens(k-1)
+        turn k   on replica B: [system | history_k-1 | answer | tool]  cached >= 0.9 x that
+    """
+    by_session: dict[str, list[dict]] = {}
+    for r in rows:
+        by_session.setdefault(r["session_id"], []).append(r)
+    moved, found = 0, 0
+    for srows in by_session.values():
+        srows = sorted(srows, key=lambda r: r["turn"])
+        for prev, r in zip(srows, srows[1:]):
+            if "error" in r or "error" in prev or not (prev.get("worker") and r.get("worker")):
+                continue
+            if r["worker"] != prev["worker"]:
+                moved += 1
+                found += (r.get("cached_tokens") or 0) >= CARRIED * (prev["prompt_tokens"] or 0)
+    return {"moved": moved, "found_prefix": found}
+
+
 def skip_reason(text: str) -> str:
     """The line that says why a configuration did not run: the last ``...Error: ...`` line of
     its log tail when there is one (a server's start-up traceback), else the first line."""
@@ -90,6 +117,7 @@ def summarize_run(run: dict, reference: dict[tuple[str, int], str]) -> dict[str,
         "identical": sum(1 for r in compared if reference[_key(r)] == r["output_sha256"]),
         "compared": len(compared), "answers": len(ok), "errors": len(rows) - len(ok),
         "retried_turns": sum(1 for r in rows if (r.get("attempts") or 1) > 1),
+        "moved": moved_turns(rows),
     }  # fmt: skip
     if "kill_s" in run:
         kill = run["kill_s"]
@@ -130,6 +158,10 @@ def median_p90(q: dict | None, fmt: str = ".2f") -> str:
     return f"{q['median']:{fmt}} / {q['p90']:{fmt}}"
 
 
+def moved_cell(m: dict | None) -> str:
+    return f"{m['found_prefix']} of {m['moved']}" if m and m["moved"] else "-"
+
+
 ROWS = (
     ("E2E per turn, median / p90 s", lambda s: median_p90(s["e2e_s"])),
     ("TTFT per turn, median / p90 s", lambda s: median_p90(s["ttft_s"])),
@@ -138,6 +170,7 @@ ROWS = (
     ("output tok/s (all sessions)", lambda s: f"{s['output_tok_s']:.1f}"),
     ("prompt tokens recomputed", lambda s: f"{s['recomputed_tokens']} of {s['prompt_tokens']}"),
     ("tokens served by the tier", lambda s: str(s["tier_hit_tokens"])),
+    ("turns moved to another replica: found their prefix", lambda s: moved_cell(s.get("moved"))),
     ("answers identical to (a)", lambda s: f"{s['identical']}/{s['compared']}"),
     ("failed turns (retried turns)", lambda s: f"{s['errors']} ({s['retried_turns']})"),
 )

@@ -14,10 +14,11 @@ stay sequential). Standard library only; a progress bar if ``tqdm`` is installed
     python scripts/replay_agentic.py --compare baseline.json vericache.json
 
 Output JSON: {"meta": {...}, "turns": [{"session_id", "turn", "kind", "ttft_s", "e2e_s",
-"prompt_tokens", "completion_tokens", "cached_tokens", "reuse", "finish_reason",
+"prompt_tokens", "completion_tokens", "cached_tokens", "worker", "reuse", "finish_reason",
 "output_sha256", "output"?, "error"}], "summary": {"by_turn": {k: {...}}, "all": {...}}}.
 ``reuse`` = (previous turn's prompt + completion tokens) / this prompt's tokens;
-``cached_tokens`` is filled only when SGLang runs with ``--enable-cache-report``.
+``cached_tokens`` is filled only when SGLang runs with ``--enable-cache-report``; ``worker`` only
+through SGLang's gateway (the replica it routed the turn to).
 ``--compare`` prints per-turn median TTFT/E2E ratios and whether the outputs are identical.
 """
 
@@ -35,9 +36,13 @@ import urllib.parse
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterator
 
+ROUTED_WORKER_HEADER = "x-smg-routed-worker-id"  # smg names the worker it chose
 
-def stream_chat(url: str, body: dict, timeout: float) -> Iterator[tuple[float, dict]]:
-    """POST ``body`` to ``url`` and yield (arrival time, parsed SSE event) until [DONE]."""
+
+def stream_chat(url: str, body: dict, timeout: float,
+                headers: dict[str, str] | None = None) -> Iterator[tuple[float, dict]]:
+    """POST ``body`` to ``url`` and yield (arrival time, parsed SSE event) until [DONE];
+    ``headers``, when given, receives the response's headers (names in lower case)."""
     u = urllib.parse.urlsplit(url)
     conn_cls = http.client.HTTPSConnection if u.scheme == "https" else http.client.HTTPConnection
     conn = conn_cls(u.hostname or "127.0.0.1", u.port, timeout=timeout)
@@ -46,6 +51,8 @@ def stream_chat(url: str, body: dict, timeout: float) -> Iterator[tuple[float, d
         conn.request("POST", u.path or "/", body=payload,
                      headers={"Content-Type": "application/json", "Accept": "text/event-stream"})
         resp = conn.getresponse()
+        if headers is not None:
+            headers.update((k.lower(), v) for k, v in resp.getheaders())
         if resp.status != 200:
             raise RuntimeError(f"HTTP {resp.status}: {resp.read(2000).decode(errors='replace')}")
         while True:
@@ -81,8 +88,9 @@ def run_turn(args: argparse.Namespace, messages: list[dict], tools: list[dict],
     pieces: list[str] = []
     usage: dict = {}
     finish = None
+    headers: dict[str, str] = {}
     for t, event in stream_chat(url.rstrip("/") + "/v1/chat/completions", body,
-                                args.timeout):
+                                args.timeout, headers):
         if event.get("usage"):
             usage = event["usage"]
         for choice in event.get("choices") or []:
@@ -102,6 +110,8 @@ def run_turn(args: argparse.Namespace, messages: list[dict], tools: list[dict],
         "prompt_tokens": usage.get("prompt_tokens"),
         "completion_tokens": usage.get("completion_tokens"),
         "cached_tokens": details.get("cached_tokens"),
+        # SGLang's gateway names the replica it routed to; None straight to a server
+        "worker": headers.get(ROUTED_WORKER_HEADER),
         "output": output, "output_sha256": hashlib.sha256(output.encode()).hexdigest(),
     }
 

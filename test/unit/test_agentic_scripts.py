@@ -81,6 +81,7 @@ class _FakeChat(BaseHTTPRequestHandler):
                  for i in range(body["max_tokens"])]
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
+        self.send_header("X-SMG-Routed-Worker-Id", "http://replica-a")  # as SGLang's gateway
         self.send_header("Connection", "close")
         self.end_headers()
         events = [{"choices": [{"delta": {"content": w}, "finish_reason": None}]} for w in words]
@@ -116,6 +117,7 @@ def test_replay_appends_answers_and_measures_each_turn(workload, tmp_path):
     for r in rows:
         assert 0 < r["ttft_s"] <= r["e2e_s"] and r["completion_tokens"] == 5
         assert r["output_sha256"] == hashlib.sha256(r["output"].encode()).hexdigest()
+        assert r["worker"] == "http://replica-a"  # the gateway's header, read case-blind
     # turn k+1's request is turn k's request + the answer + the new messages
     first, second = _FakeChat.seen[0], _FakeChat.seen[1]
     assert second[: len(first)] == first

@@ -9,7 +9,13 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(REPO / "benchmark"))
 
-from fleet_sessions_report import markdown, next_answers, skip_reason, summarize  # noqa: E402
+from fleet_sessions_report import (  # noqa: E402
+    markdown,
+    moved_turns,
+    next_answers,
+    skip_reason,
+    summarize,
+)
 
 
 def row(sid: str, turn: int, start: float, e2e: float, *, prompt: int = 1000, cached: int = 0,
@@ -34,6 +40,15 @@ def test_next_answer_is_the_whole_turn_that_ends_after_the_kill() -> None:
             row("s2", 0, 4.0, 0.5), {"session_id": "s2", "turn": 1, "start_s": 5.5,
                                      "error": "HTTP 503"}]  # fmt: skip
     assert next_answers(rows, 5.0) == [4.0, 1.5, None]
+
+
+def test_a_moved_turn_found_its_prefix_when_most_of_the_previous_prompt_was_cached() -> None:
+    rows = [row("s0", 0, 0, 1, prompt=2000, worker="A"),
+            row("s0", 1, 2, 1, prompt=2500, cached=1900, worker="B"),   # moved, found (>= 1800)
+            row("s0", 2, 4, 1, prompt=3000, cached=1000, worker="A"),   # moved, recomputed
+            row("s0", 3, 6, 1, prompt=3500, cached=3000, worker="A"),   # stayed
+            row("s1", 0, 0, 1, worker="A"), row("s1", 1, 2, 1, cached=990, worker=None)]
+    assert moved_turns(rows) == {"moved": 2, "found_prefix": 1}  # no worker named: not counted
 
 
 def test_summary_compares_answers_and_speedups_with_plain_at_the_first_phase() -> None:
