@@ -22,8 +22,12 @@ a tight one (``--holds-tight`` sessions' worth per replica). Then, at ``--kill-b
 sessions move to the others (the replay sends a failed turn again, as an agent would: up to 4
 times, 1, 2, 4 and 8 s later). Reported: per-turn TTFT and end-to-end latency (median, p90),
 output tok/s, prompt tokens recomputed, tokens the tier served, answers identical to (a)'s at
-the first budget, and after the kill the latency of each session's first turn answered after it
-(``fleet_sessions_report.next_answers``).
+the first budget, turns the gateway moved to another replica and how many found their prefix,
+and after the kill the latency of each session's first turn answered after it
+(``fleet_sessions_report.next_answers``). After the agent sessions (not in a killed phase),
+SGLang's own client, ``python -m sglang.benchmark.serving``, runs ``--gsp-prompts``
+generated-shared-prefix conversations of ``--gsp-turns`` turns through the same gateway: its
+output tok/s, TTFT and TPOT, and its texts against (a)'s.
 
     python benchmark/fleet_sessions.py                 # 8 sessions x 4 turns, 2 replicas
     python benchmark/fleet_sessions.py --configs plain vericache-zmq --budgets tight
@@ -61,6 +65,7 @@ from remote_prefix import build_sessions, session_args, write_report  # noqa: E4
 from replay_agentic import build_parser, replay  # noqa: E402
 
 from sglang_vericache.exactness.server import SGLangServer  # noqa: E402
+from benchmark import serving_grid_plan as plan  # noqa: E402
 from sglang_vericache.fleet.plan import LMCACHE_CHUNK_TOKENS  # noqa: E402
 from testkit.tier_server import ServerProcess  # noqa: E402
 
@@ -70,6 +75,7 @@ from testkit.tier_server import ServerProcess  # noqa: E402
 HICACHE_FLAGS = ("--enable-hierarchical-cache", "--hicache-size", "1", "--hicache-io-backend",
                  "direct")
 MODEL_NAME = "fleet-bench"  # the gateway routes chat requests by the served model name
+GSP_QUESTION_TOKENS = 64  # a generated-shared-prefix turn's question (serving_grid's default)
 
 
 @dataclass(frozen=True)
@@ -152,6 +158,10 @@ def run_fleet(cfg: FleetConfig, budget: int, sessions: list[dict], args: argpars
         stack.callback(gateway.stop)
         say(f"  fleet up at {gateway.url}; replaying {len(sessions)} sessions")
         result, killed = replay_through(gateway.url, servers, sessions, args, kill)
+        if args.gsp_prompts and not kill:
+            say(f"  SGLang's client through the gateway: generated-shared-prefix, "
+                f"{args.gsp_turns} turns")
+            result["gsp"] = serving_through(gateway.url, args, work)
         alive = servers[1:] if kill else servers
         result["counters"] = [vericache_counters(s.url) for s in alive] if cfg.tier else []
         result["tier"] = tier.stats() if isinstance(tier, ServerProcess) else {}
@@ -185,6 +195,31 @@ def replay_through(url: str, servers: list[SGLangServer], sessions: list[dict],
         "--retries", "4", "--retry-wait-s", "1", "--ignore-eos"])  # fmt: skip
     result = replay(options, sessions, on_turn, epoch)
     return result, killed
+
+
+def serving_through(url: str, args: argparse.Namespace, work: Path) -> dict:
+    """``python -m sglang.benchmark.serving --dataset-name generated-shared-prefix`` with
+    ``--gsp-turns`` turns (its multi-turn mode, on the chat backend) through the gateway: greedy,
+    ``--max-tokens`` per answer, every conversation at once. Its metrics and generated texts,
+    or the error with its log's tail."""
+    cell = plan.Cell("fleet", args.gsp_input_len, "generated-shared-prefix", args.gsp_prompts)
+    shape = plan.gsp_shape(args.gsp_input_len, args.max_tokens, args.gsp_prompts, args.gsp_turns,
+                           GSP_QUESTION_TOKENS)  # fmt: skip
+    out, log = work / "gsp.jsonl", work / "gsp.log"
+    cmd = plan.harness_command(sys.executable, cell, url, str(args.model),
+                               num_prompts=args.gsp_prompts, output_len=args.max_tokens, seed=1,
+                               output_file=out, custom_path=None, gsp=shape,
+                               served_model_name=MODEL_NAME)  # fmt: skip
+    with open(log, "wb") as f:
+        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=work, timeout=3600,
+                            check=False).returncode  # fmt: skip
+    try:
+        if rc != 0:
+            raise ValueError(f"exit status {rc}")
+        metrics, texts = plan.parse_harness_file(out)
+    except (OSError, ValueError) as e:
+        return {"error": f"{e}; log tail: {log.read_bytes()[-1500:].decode(errors='replace')}"}
+    return {"command": "python " + " ".join(cmd[1:]), "metrics": metrics, "texts": texts}
 
 
 def run_one(name: str, cfg: FleetConfig, budget_name: str, budget: int, sessions: list[dict],
@@ -221,6 +256,12 @@ def main() -> None:
     ap.add_argument("--kill-configs", nargs="+", default=["plain", "vericache-zmq"], choices=names)
     ap.add_argument("--compressor", default="snapkv:ratio=0.25")
     ap.add_argument("--system-tokens", type=int, default=1000)
+    ap.add_argument("--gsp-prompts", type=int, default=8,
+                    help="conversations of SGLang's own client (generated-shared-prefix) through "
+                         "each fleet after the agent sessions (0: none)")
+    ap.add_argument("--gsp-turns", type=int, default=3)
+    ap.add_argument("--gsp-input-len", type=int, default=2048,
+                    help="tokens of a conversation's last prompt")
     args = ap.parse_args()
     if args.replicas < 2:
         ap.error("--replicas must be at least 2 (a fleet, and a survivor after the kill)")

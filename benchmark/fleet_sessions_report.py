@@ -94,7 +94,22 @@ def recomputed(rows: list[dict]) -> int:
     return sum((r["prompt_tokens"] or 0) - (r.get("cached_tokens") or 0) for r in rows)
 
 
-def summarize_run(run: dict, reference: dict[tuple[str, int], str]) -> dict[str, Any]:
+def summarize_gsp(gsp: dict | None, reference: list[str]) -> dict[str, Any] | None:
+    """SGLang's client's run through the gateway: its figures, and its texts equal to the
+    reference's position by position (None where it did not run)."""
+    if gsp is None:
+        return None
+    if "error" in gsp:
+        return {"error": gsp["error"][:300]}
+    m, texts = gsp["metrics"], gsp["texts"]
+    return {"output_tok_s": m.get("output_throughput"), "ttft_ms": m.get("median_ttft_ms"),
+            "tpot_ms": m.get("median_tpot_ms"), "errors": m.get("errors", 0),
+            "identical": sum(a == b for a, b in zip(reference, texts)) if reference else None,
+            "texts": len(texts)}  # fmt: skip
+
+
+def summarize_run(run: dict, reference: dict[tuple[str, int], str],
+                  gsp_reference: list[str] | None = None) -> dict[str, Any]:  # fmt: skip
     if "skipped" in run:
         return {"skipped": skip_reason(run["skipped"])}
     rows = run["turns"]
@@ -118,6 +133,7 @@ def summarize_run(run: dict, reference: dict[tuple[str, int], str]) -> dict[str,
         "compared": len(compared), "answers": len(ok), "errors": len(rows) - len(ok),
         "retried_turns": sum(1 for r in rows if (r.get("attempts") or 1) > 1),
         "moved": moved_turns(rows),
+        "gsp": summarize_gsp(run.get("gsp"), gsp_reference or []),
     }  # fmt: skip
     if "kill_s" in run:
         kill = run["kill_s"]
@@ -137,7 +153,8 @@ def summarize(runs: dict[str, dict[str, dict]], labels: dict[str, str], budgets:
               args: argparse.Namespace) -> dict[str, Any]:  # fmt: skip
     first = next(iter(runs.values()), {}).get(REFERENCE, {})
     reference = {_key(r): r["output_sha256"] for r in first.get("turns", []) if "error" not in r}
-    phases = {p: {n: summarize_run(run, reference) for n, run in by_config.items()}
+    gsp_reference = (first.get("gsp") or {}).get("texts", [])
+    phases = {p: {n: summarize_run(run, reference, gsp_reference) for n, run in by_config.items()}
               for p, by_config in runs.items()}  # fmt: skip
     for by_config in phases.values():
         base = by_config.get(REFERENCE, {}).get("e2e_s", {}).get("median")
@@ -174,6 +191,24 @@ ROWS = (
     ("answers identical to (a)", lambda s: f"{s['identical']}/{s['compared']}"),
     ("failed turns (retried turns)", lambda s: f"{s['errors']} ({s['retried_turns']})"),
 )
+def gsp_cell(g: dict | None, what: str) -> str:
+    if not g:
+        return "-"
+    if "error" in g:
+        return "failed" if what == "tok" else "-"
+    if what == "tok":
+        return f"{g['output_tok_s']:.1f}" if g["output_tok_s"] is not None else "-"
+    if what == "lat":
+        return f"{g['ttft_ms']:.0f} / {g['tpot_ms']:.0f}" if g["ttft_ms"] is not None else "-"
+    return f"{g['identical']}/{g['texts']}" if g["identical"] is not None else "-"
+
+
+GSP_ROWS = (  # sglang.benchmark.serving through the gateway (absent in a killed phase)
+    ("SGLang client (generated-shared-prefix): output tok/s",
+     lambda s: gsp_cell(s.get("gsp"), "tok")),
+    ("SGLang client: median TTFT / TPOT ms", lambda s: gsp_cell(s.get("gsp"), "lat")),
+    ("SGLang client: texts identical to (a)", lambda s: gsp_cell(s.get("gsp"), "same")),
+)
 KILL_ROWS = (
     ("first turn answered after the kill, E2E median / p90 s",
      lambda k: median_p90(k["next_answer_s"])),
@@ -201,8 +236,9 @@ def markdown(report: dict[str, Any]) -> str:
                   "|---" * (len(names) + 1) + "|"]  # fmt: skip
         skipped = {n: s["skipped"] for n, s in by_config.items() if "skipped" in s}
         ran = [n for n in names if n not in skipped]
-        rows = ROWS + (tuple((lbl, lambda s, f=f: f(s["kill"])) for lbl, f in KILL_ROWS)
-                       if any("kill" in by_config[n] for n in ran) else ())  # fmt: skip
+        rows = ROWS + (GSP_ROWS if any(by_config[n].get("gsp") for n in ran) else ()) + (
+            tuple((lbl, lambda s, f=f: f(s["kill"])) for lbl, f in KILL_ROWS)
+            if any("kill" in by_config[n] for n in ran) else ())  # fmt: skip
         for label, cell in rows:
             cells = [cell(by_config[n]) if n in ran else "not run" for n in names]
             lines.append(f"| {label} | " + " | ".join(cells) + " |")

@@ -108,10 +108,13 @@ def gsp_shape(input_len: int, output_len: int, num_prompts: int, turns: int,
 
 def harness_command(python: str, cell: Cell, url: str, model: str, *, num_prompts: int,
                     output_len: int, seed: int, output_file: Path, custom_path: Path | None,
-                    gsp: GspShape | None) -> list[str]:  # fmt: skip
+                    gsp: GspShape | None,
+                    served_model_name: str | None = None) -> list[str]:  # fmt: skip
     """``python -m sglang.benchmark.serving`` for one cell: greedy, EOS ignored (the harness's
     default) so every request decodes ``output_len`` tokens, all arrivals at once up to the
-    cell's concurrency, cache flushed after the warm-up, generated texts saved."""
+    cell's concurrency, cache flushed after the warm-up, generated texts saved.
+    ``served_model_name``: the name requests carry where it is not ``model`` (SGLang's gateway
+    routes chat requests by it)."""
     backend = "sglang-oai-chat" if cell.dataset == "generated-shared-prefix" else "sglang"
     cmd = [python, "-m", "sglang.benchmark.serving", "--backend", backend, "--base-url", url,
            "--model", model, "--tokenizer", model, "--dataset-name", cell.dataset,
@@ -119,6 +122,8 @@ def harness_command(python: str, cell: Cell, url: str, model: str, *, num_prompt
            "--request-rate", "inf", "--temperature", "0", "--seed", str(seed),
            "--output-file", str(output_file), "--output-details", "--flush-cache",
            "--disable-tqdm", "--warmup-requests", "1"]  # fmt: skip
+    if served_model_name:
+        cmd += ["--served-model-name", served_model_name]
     if cell.dataset == "random-ids":
         cmd += ["--random-input-len", str(cell.input_len), "--random-output-len", str(output_len),
                 "--random-range-ratio", "1.0", "--tokenize-prompt"]  # fmt: skip

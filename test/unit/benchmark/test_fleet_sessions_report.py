@@ -86,3 +86,24 @@ def test_a_skipped_configuration_is_named_by_its_error_line() -> None:
             "RuntimeError: Found no NVIDIA driver on your system.\n[...] kill_process_tree\n")
     assert skip_reason(tail) == "RuntimeError: Found no NVIDIA driver on your system."
     assert skip_reason("lmcache is not importable here") == "lmcache is not importable here"
+
+
+def test_sglang_client_runs_are_compared_with_plains_texts_and_tabled() -> None:
+    metrics = {"output_throughput": 12.5, "median_ttft_ms": 900.0, "median_tpot_ms": 210.0}
+    plain = run([row("s0", 0, 0, 4.0)], gsp={"metrics": metrics, "texts": ["a", "b", "c"]})
+    vc = run([row("s0", 0, 0, 2.0)], gsp={"metrics": {**metrics, "output_throughput": 20.0},
+                                          "texts": ["a", "x", "c"]})  # fmt: skip
+    broken = run([row("s0", 0, 0, 2.0)], gsp={"error": "exit status 1; log tail: boom"})
+    report = summarize({"tight": {"plain": plain, "vericache-zmq": vc,
+                                  "vericache-lmcache": broken}},
+                       {"plain": "(a)", "vericache-zmq": "(c)", "vericache-lmcache": "(d)"},
+                       {"tight": 2560}, ARGS)  # fmt: skip
+    tight = report["phases"]["tight"]
+    assert tight["plain"]["gsp"]["identical"] == 3
+    assert (tight["vericache-zmq"]["gsp"]["identical"], tight["vericache-zmq"]["gsp"]["texts"]) \
+        == (2, 3)
+    assert tight["vericache-lmcache"]["gsp"] == {"error": "exit status 1; log tail: boom"}
+    table = markdown(report)
+    assert "| SGLang client (generated-shared-prefix): output tok/s | 12.5 | 20.0 | failed |" \
+        in table
+    assert "| SGLang client: texts identical to (a) | 3/3 | 2/3 | - |" in table
