@@ -36,8 +36,8 @@ _SAMPLE = re.compile(r'^(vericache:\w+?)(?:_total)?\{([^}]*)\}\s+([0-9.eE+-]+)$'
 
 
 def vericache_counters(url: str) -> dict[str, dict[str, float]]:
-    """``{metric: {label value (mode, decision, phase, event or kind; else ''): value}}`` from
-    /metrics."""
+    """``{metric: {label value (mode, decision, phase, event, kind or proposer; else ''): value}}``
+    from /metrics."""
     with urllib.request.urlopen(url.rstrip("/") + "/metrics", timeout=30) as resp:
         text = resp.read().decode()
     out: dict[str, dict[str, float]] = defaultdict(dict)
@@ -46,7 +46,7 @@ def vericache_counters(url: str) -> dict[str, dict[str, float]]:
         if not m or m.group(1).endswith(("_bucket", "_created")):
             continue
         labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2)))
-        key = next((labels[k] for k in ("mode", "decision", "phase", "event", "kind")
+        key = next((labels[k] for k in ("mode", "decision", "phase", "event", "kind", "proposer")
                     if k in labels), "")
         out[m.group(1)][key] = out[m.group(1)].get(key, 0.0) + float(m.group(3))
     return dict(out)

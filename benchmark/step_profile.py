@@ -221,6 +221,11 @@ def profile(run: dict, batch: int) -> dict:
     drafted = sum(_diff(snap, "vericache:drafted_tokens").values())
     committed = sum(_diff(snap, "vericache:committed_tokens").values())
     decisions = _diff(snap, "vericache:decode_steps")
+    by_proposer = {what: _diff(snap, f"vericache:proposer_{metric}")
+                   for what, metric in (("verifies", "verify_steps"), ("drafted", "drafted_tokens"),
+                                        ("accepted", "accepted_tokens"))}  # fmt: skip
+    proposers = {name: {what: int(v.get(name, 0)) for what, v in by_proposer.items()}
+                 for name, n in by_proposer["verifies"].items() if n}  # fmt: skip
     peak = max(snap["close"].get("vericache:step_transient_bytes_peak", {"": 0}).values())
     per_step = {p: 1e3 * phase_s.get(p, 0.0) / max(steps, 1) for p in PHASES}
     # ms in the steps where the phase ran (a verify's cost per drafting step, not diluted)
@@ -236,7 +241,8 @@ def profile(run: dict, batch: int) -> dict:
     width = x + 1
     layer_view = 2 * batch * (view + width) * SMOLLM2.n_kv_heads * SMOLLM2.head_dim * 4
     return {
-        "steps": int(steps), "decisions": decisions, "drafts_per_verify": round(x, 2),
+        "steps": int(steps), "decisions": decisions, "proposers": proposers,
+        "drafts_per_verify": round(x, 2),
         "committed_per_verify": round(committed / verifies, 2) if verifies else None,
         "ms_per_step": {p: round(v, 1) for p, v in per_step.items()},
         "ms_when_run": when_run, "phase_steps": {p: int(v) for p, v in phase_steps.items()},
@@ -262,6 +268,8 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--compressor", default="snapkv:ratio=0.25")
     ap.add_argument("--draft-len", default="auto")
+    ap.add_argument("--proposer", default="auto", choices=["auto", "compressed", "lookup"],
+                    help="--vericache-proposer of every VeriCache server")
     ap.add_argument("--placements", nargs="+", default=["auto"],
                     help="--vericache-placement of each VeriCache server (the first is profiled "
                          "in full)")
@@ -283,7 +291,7 @@ def main() -> None:
                                        args.seed)  # fmt: skip
         logs = args.out.parent / f"{args.out.name}-logs" / f"b{b}"
         vc = ["--vericache", "--vericache-compressor", args.compressor,
-              "--vericache-draft-len", args.draft_len]  # fmt: skip
+              "--vericache-draft-len", args.draft_len, "--vericache-proposer", args.proposer]
         offload_only = base + ["--vericache", "--vericache-draft-len", "0"]
         drafted = {placement: base + vc + ["--vericache-placement", placement]
                    for placement in args.placements}  # fmt: skip

@@ -74,7 +74,7 @@ def markdown(report: dict) -> str:
             f"({', '.join(f'{k}: {int(v)}' for k, v in p['decisions'].items() if v)}), "
             f"{p['drafts_per_verify']} drafts and {p['committed_per_verify']} committed tokens "
             f"per verified row; context ~{p['context']} tokens, compressed view ~"
-            f"{p['view_tokens']} tokens per row.",
+            f"{p['view_tokens']} tokens per row. {proposer_mix(p.get('proposers') or {})}",
             "",
             f"The cost model is the CPU fit x {cal:.2f}, today's speed of this machine against the "
             "fit's (the offload-only server's plain forward in this run over its prediction).",
@@ -163,3 +163,14 @@ def plot(report: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def proposer_mix(proposers: dict[str, dict[str, int]]) -> str:
+    """Where the verified drafts came from: "Drafts by proposer: compressed 40 verifies, 160
+    drafted, 120 accepted (75%); ..." ("" where the server reported none)."""
+    if not proposers:
+        return ""
+    parts = [f"{name} {c['verifies']} verifies, {c['drafted']} drafted, {c['accepted']} accepted"
+             + (f" ({100 * c['accepted'] / c['drafted']:.0f}%)" if c["drafted"] else "")
+             for name, c in sorted(proposers.items())]  # fmt: skip
+    return "Drafts by proposer: " + "; ".join(parts) + "."

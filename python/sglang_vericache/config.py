@@ -17,6 +17,7 @@ Flag surface (fixed so that every part of the system agrees)::
     --vericache-tier-inflight-mb MB     host MB of remote writes (and of fetches) in flight
     --vericache-placement auto|pressure|eager   when a drafted request's full KV leaves the pool
     --vericache-draft-dtype auto|model|bfloat16|float16   the weights' precision in draft forwards
+    --vericache-proposer auto|compressed|lookup   where drafts come from
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ MAX_DRAFT_LEN = 64
 DEFAULT_LOOKUP_DEADLINE_S = 1.0
 DEFAULT_INFLIGHT_MB = 512
 DRAFT_DTYPES = ("auto", "model", "bfloat16", "float16")
+PROPOSERS = ("auto", "compressed", "lookup")
 
 
 class VeriCacheConfigError(ValueError):
@@ -151,9 +153,12 @@ def parse_placement(value: str) -> Placement:
 
 
 def parse_draft_dtype(value: str) -> str:
-    if value not in DRAFT_DTYPES:
-        raise VeriCacheConfigError("--vericache-draft-dtype",
-                                   f"{value!r} is not one of {', '.join(DRAFT_DTYPES)}")
+    return parse_choice("--vericache-draft-dtype", value, DRAFT_DTYPES)
+
+
+def parse_choice(flag: str, value: str, choices: tuple[str, ...]) -> str:
+    if value not in choices:
+        raise VeriCacheConfigError(flag, f"{value!r} is not one of {', '.join(choices)}")
     return value
 
 
@@ -191,6 +196,7 @@ class VeriCacheConfig:
     placement: Placement = Placement.AUTO
     draft_dtype: str = "auto"
     tier_trusted_network: bool = False
+    proposer: str = "auto"
 
     def __post_init__(self) -> None:
         # LMCache authenticates nobody (tier/lmcache.py): whoever reaches its port can read
@@ -211,7 +217,7 @@ class VeriCacheConfig:
         cls, *, enabled: bool, compressor: str, draft_len: str, tier: str,
         fetch_drafting: str = "on", tier_lookup_deadline: str | float = DEFAULT_LOOKUP_DEADLINE_S,
         tier_inflight_mb: str | int = DEFAULT_INFLIGHT_MB, placement: str = "auto",
-        draft_dtype: str = "auto", tier_trusted_network: bool = False,
+        draft_dtype: str = "auto", tier_trusted_network: bool = False, proposer: str = "auto",
     ) -> "VeriCacheConfig":  # fmt: skip
         return cls(
             enabled=enabled,
@@ -225,6 +231,7 @@ class VeriCacheConfig:
             placement=parse_placement(placement),
             draft_dtype=parse_draft_dtype(draft_dtype),
             tier_trusted_network=tier_trusted_network,
+            proposer=parse_choice("--vericache-proposer", proposer, PROPOSERS),
         )
 
     @classmethod
@@ -240,6 +247,7 @@ class VeriCacheConfig:
             placement=ns.vericache_placement,
             draft_dtype=ns.vericache_draft_dtype,
             tier_trusted_network=ns.vericache_tier_trusted_network,
+            proposer=ns.vericache_proposer,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -264,6 +272,7 @@ class VeriCacheConfig:
             placement=parse_placement(str(d.get("placement", "auto"))),
             draft_dtype=parse_draft_dtype(str(d.get("draft_dtype", "auto"))),
             tier_trusted_network=bool(d.get("tier_trusted_network", False)),
+            proposer=parse_choice("proposer", str(d.get("proposer", "auto")), PROPOSERS),
         )
 
 
@@ -354,6 +363,19 @@ def add_cli_flags(parser: argparse.ArgumentParser) -> None:
         "of the weights packed for fbgemm (x86 CPUs; fp32 arithmetic) and a bfloat16 copy, if a "
         "matmul measures it faster on this device; 'float16' / 'bfloat16' force one; 'model' "
         "never copies them. Drafts only propose, so this moves acceptance, never the output. "
+        "Default: auto.",
+    )
+
+
+    group.add_argument(
+        "--vericache-proposer",
+        default="auto",
+        choices=PROPOSERS,
+        help="Where drafts come from: 'compressed', draft forwards of the model over the "
+        "compressed KV; 'lookup', the request's own context where its last tokens occurred "
+        "before (prompt lookup: no forward; greedy requests without such a match draft from the "
+        "compressed KV); 'auto', whichever the step planner measures faster, step by step. "
+        "Either is verified over the full KV, so this moves speed, never the output. "
         "Default: auto.",
     )
 

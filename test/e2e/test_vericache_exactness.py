@@ -69,26 +69,35 @@ def assert_drafted(url: str, prompt: Prompt) -> None:
 
 
 @pytest.mark.parametrize(
-    "compressor, concurrency, draft_len, draft_dtype",
+    "compressor, concurrency, draft_len, draft_dtype, proposer",
     [
         # aggressive dropping: many rejections, rollbacks; drafts on bf16 shadow weights
-        ("streaming:sink=4,window=60", 1, 4, "bfloat16"),
-        ("snapkv:ratio=0.5+kivi:bits=2", 4, 6, "model"),  # composition, low-bit, wider verify
-        # fp16 shadows, packed for fbgemm on x86 (what ``auto`` picks on an AVX2-only CPU)
-        ("snapkv:ratio=0.25", 2, 3, "float16"),
+        ("streaming:sink=4,window=60", 1, 4, "bfloat16", "compressed"),
+        # composition, low-bit, wider verify
+        ("snapkv:ratio=0.5+kivi:bits=2", 4, 6, "model", "compressed"),
+        # fp16 shadows, packed for fbgemm on x86 (what ``auto`` picks on an AVX2-only CPU); a
+        # prompt-lookup draft in every step where a row's last tokens occurred before
+        ("snapkv:ratio=0.25", 2, 3, "float16", "lookup"),
     ],
 )
 def test_vericache_is_token_identical(
-    compressor: str, concurrency: int, draft_len, draft_dtype: str, prompts, reference,
-    tmp_path: Path,
+    compressor: str, concurrency: int, draft_len, draft_dtype: str, proposer: str, prompts,
+    reference, tmp_path: Path,
 ) -> None:  # fmt: skip
-    extra = ("--vericache-draft-dtype", draft_dtype)
+    extra = ("--vericache-draft-dtype", draft_dtype, "--vericache-proposer", proposer)
     with vericache_server(compressor, tmp_path, draft_len, extra) as server:
         candidate = generate_all(
             server.url, prompts, max_new_tokens=MAX_NEW_TOKENS, concurrency=concurrency
         )
         assert_drafted(server.url, prompts[0])
+        # the proposers that drafted, as the request's meta info reports them
+        used = http_json(server.url + "/generate", {
+            "text": prompts[1].text, "sampling_params": {"temperature": 0, "max_new_tokens": 24},
+        })["meta_info"]["vericache"]["proposers"]  # fmt: skip
         log = (tmp_path / "vericache.log").read_text(errors="replace")
+    assert proposer in used, used
+    if proposer == "compressed":
+        assert "lookup" not in used, used
     logged = "draft weights in the model's dtype" if draft_dtype == "model" else (
         f"draft weights in {draft_dtype} (")  # fmt: skip
     assert logged in log, "the draft dtype the worker logged"

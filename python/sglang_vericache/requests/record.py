@@ -45,7 +45,9 @@ class VeriRequest:
     has prefilled; ``demotion`` while it lives after its first demotion; ``after_prefill``, the
     work its prefill left for the next forward; ``ahead_used``, ``[drafts made while its prefix
     was fetched, drafts of those verified]``; ``acceptance``, the draft-length controller's
-    estimate of its acceptance (``verify/draft_length.py``).
+    estimate of its acceptance (``verify/draft_length.py``); ``context_lookup``, the n-gram
+    index over its tokens that proposes lookup drafts, and their acceptance
+    (``verify/prompt_lookup.py``).
 
     The prefix path's (``srt/prefix/``): ``tier_generation``, the weights generation its prefix
     match saw (it may write to the tier only while that is the one served); ``lookup``, its
@@ -66,6 +68,7 @@ class VeriRequest:
     after_prefill: Callable[[], None] | None = None
     ahead_used: list[int] | None = None
     acceptance: Any = None  # verify/policy.AcceptanceEstimate
+    context_lookup: Any = None  # verify/prompt_lookup.RequestLookup
     tier_generation: int | None = None
     lookup: Any = None  # tier/pending_prefix.PendingPrefix
     fetch_claims: list[Any] | None = None  # tier/shared_fetch chunks, in order
@@ -87,5 +90,5 @@ class VeriRequest:
 # The per-request state fields (everything but identity and place): ``RecordField`` views name
 # one of these, and ``RequestTable.entry_counts`` counts each.
 STATE_FIELDS = ("draft", "plain", "demotion", "after_prefill", "ahead_used", "acceptance",
-                "tier_generation", "lookup", "fetch_claims", "ahead_job", "ahead_declined",
+                "context_lookup", "tier_generation", "lookup", "fetch_claims", "ahead_job", "ahead_declined",
                 "finished_draft")  # fmt: skip

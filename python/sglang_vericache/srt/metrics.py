@@ -64,12 +64,21 @@ class VeriCacheExporter:
                          multiprocess_mode=multiprocess_mode)  # fmt: skip
 
         mode = ("mode",)
-        self._drafted = counter("drafted_tokens", "Tokens drafted from the compressed KV.", mode)
+        self._drafted = counter("drafted_tokens", "Tokens drafted (any proposer).", mode)
         self._accepted = counter(
             "accepted_tokens", "Drafted tokens the full-KV verify accepted.", mode
         )  # fmt: skip
         self._committed = counter("committed_tokens", "Tokens committed by verifications.", mode)
         self._verifies = counter("verify_steps", "Full-KV verifications (one per request).", mode)
+        proposer = ("proposer",)
+        self._by_proposer = {  # where drafts came from (verify/stats.py Proposer)
+            "verify_steps": counter("proposer_verify_steps", "Verifications by where their "
+                                    "drafts came from (compressed, lookup, ahead).", proposer),
+            "drafted": counter("proposer_drafted_tokens", "Drafted tokens by proposer.",
+                               proposer),
+            "accepted": counter("proposer_accepted_tokens", "Accepted drafts by proposer.",
+                                proposer),
+        }  # fmt: skip
         self._bytes = counter("full_kv_bytes_fetched", "Full-KV bytes brought to the device.")
         self._wait = counter("full_kv_wait_seconds", "Time drafts waited for the full KV.")
         self._failures = counter("fetch_failures", "Failed full-KV transfers (recomputed).")
@@ -141,6 +150,10 @@ class VeriCacheExporter:
         self._bytes.labels(**lb).inc(rec.bytes_fetched)
         self._wait.labels(**lb).inc(rec.wait_full_s)
         self._accept_len.labels(**by_mode).observe(rec.committed)
+        by_proposer = {**lb, "proposer": rec.proposer.value}
+        self._by_proposer["verify_steps"].labels(**by_proposer).inc()
+        self._by_proposer["drafted"].labels(**by_proposer).inc(rec.drafted)
+        self._by_proposer["accepted"].labels(**by_proposer).inc(rec.accepted)
 
     def observe_fetch_failure(self) -> None:
         self._failures.labels(**self._labels).inc()

@@ -5,7 +5,8 @@ The decode step (``srt/decode/decode_step.py``) enters ``verify/`` through this 
 
     chain = DraftChain.start(last, width, drafted, ...)                 rows[:, 0] = last tokens
     for j in 0 .. W-2:  chain.draft(j, draft_logits)                   rows[:, j+1] = drafts
-      (or chain.propose(tokens): drafts made while the prefix was fetched, all-greedy steps)
+      (or chain.propose(tokens, lens): drafts made while the prefix was fetched, or prompt-
+       lookup drafts of each row's own context; all-greedy steps)
     chain.end_drafts()                                                  last grammar mask column
     chain.mask_verify(verify_logits)                                    grammar rows masked
     accepted = chain.accept(verify_logits)     (plain rows' column 0: SGLang's sampler, in srt)
@@ -73,13 +74,16 @@ class DraftChain:
         grammar rows masked in place)."""
         self.rows[:, column + 1] = draft_column(column, logits, self.sampled, self.grammar)
 
-    def propose(self, tokens: torch.Tensor) -> None:
+    def propose(self, tokens: torch.Tensor, lens: torch.Tensor | None = None) -> None:
         """Drafts made elsewhere ([bs, W-1] int64): greedy, unmasked and without q, so only for
-        a step with neither sampled nor grammar rows."""
+        a step with neither sampled nor grammar rows. lens: [bs] int32, how many of each row's
+        drafts verify (a prompt-lookup draft may be short or absent; the rest is padding)."""
         if self.sampled is not None or self.grammar is not None:
             raise ValueError("proposed drafts carry no q and no grammar mask: "
                              "all-greedy steps only")
         self.rows[:, 1:] = tokens
+        if lens is not None:
+            self.draft_lens = torch.minimum(self.draft_lens, lens.to(self.draft_lens.dtype))
 
     def end_drafts(self) -> None:
         """The grammar masks of the last column (after every draft), for the verify."""

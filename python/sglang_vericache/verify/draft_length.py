@@ -15,37 +15,46 @@ from dataclasses import dataclass
 from collections.abc import MutableMapping, Sequence
 
 from sglang_vericache.verify.policy import AcceptanceConfig, AcceptanceEstimate
+from sglang_vericache.verify.stats import Proposer
 from sglang_vericache.verify.step_cost import ForwardKind, ForwardShape
 from sglang_vericache.verify.step_plan import PlannedRow, StepDecision, StepPlanner
 
 FIXED = "fixed --vericache-draft-len"
+FORCED_LOOKUP = "--vericache-proposer lookup"
 EWMA = 0.8  # weight of the previous estimate in ``ewma``
 
 
 @dataclass(frozen=True, slots=True)
 class StepRow:
     """A batch row as the worker sees it: request id, committed KV tokens, tokens in its
-    compressed view, tokens it may still emit, and whether it can draft."""
+    compressed view, tokens it may still emit, whether it can draft, and its prompt-lookup
+    draft: ``lookup`` tokens (0: none this step) accepted at ``lookup_alpha``."""
 
     rid: str
     context: int
     compressed: int
     remaining: int
     drafts: bool
+    lookup: int = 0
+    lookup_alpha: float = 0.0
 
 
 class DraftLengthController:
     """Chooses each step's draft count in {0} + [1, max_drafts]; bookkeeping only, no torch.
 
-    fixed: the configured length (None = auto). The worker reports every forward it times
-    through ``observe_forward`` and every verification through ``observe``.
+    fixed: the configured length (None = auto); proposer: ``--vericache-proposer`` ("auto":
+    lookup drafts where the planner prices them faster; "compressed": never; "lookup": in every
+    step where a row has one). The worker reports every forward it times through
+    ``observe_forward`` and every verification of compressed-KV drafts through ``observe``.
     """
 
     def __init__(self, fixed: int | None, max_drafts: int,
-                 estimates: MutableMapping[str, AcceptanceEstimate] | None = None) -> None:
+                 estimates: MutableMapping[str, AcceptanceEstimate] | None = None,
+                 proposer: str = "auto") -> None:  # fmt: skip
         """estimates: where each request's acceptance estimate is kept (the server's: its
         record's ``acceptance`` field, dropped when the request closes); a dict by default."""
         self.fixed = fixed
+        self.proposer = proposer
         self.max_drafts = max_drafts
         self.planner = StepPlanner(min(2, max_drafts), max_drafts)
         self.estimates: MutableMapping[str, AcceptanceEstimate] = (
@@ -56,11 +65,15 @@ class DraftLengthController:
         (``StepPlanner.plan``)."""
         if not any(r.drafts for r in rows):
             return StepDecision(0, "no row can draft")
-        if self.fixed is not None:
-            return StepDecision(min(self.fixed, self.max_drafts), FIXED)
+        longest = max(r.lookup for r in rows) if self.proposer != "compressed" else 0
+        if self.fixed is not None or (self.proposer == "lookup" and longest):
+            drafts = min(self.fixed or self.max_drafts, self.max_drafts)
+            if self.proposer == "lookup" and longest:
+                return StepDecision(min(drafts, longest), FORCED_LOOKUP, proposer=Proposer.LOOKUP)
+            return StepDecision(drafts, FIXED)
         return self.planner.plan([
             PlannedRow(r.context, r.compressed, self._estimate(r.rid).alpha, max(1, r.remaining),
-                       r.drafts) for r in rows
+                       r.drafts, r.lookup if longest else 0, r.lookup_alpha) for r in rows
         ], [PlannedRow(context, 0, 0.0, 1, False) for context in joining])  # fmt: skip
 
     def observe(self, rid: str, drafted: int, accepted: int) -> None:

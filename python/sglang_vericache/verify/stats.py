@@ -7,12 +7,13 @@ Prometheus; nothing here imports prometheus.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from enum import Enum
 
 __all__ = [
     "ACCEPT_LEN_BUCKETS",
     "DecodeMode",
+    "Proposer",
     "VerifyRecord",
     "VeriCacheStats",
 ]
@@ -44,6 +45,14 @@ class DecodeMode(str, Enum):
         return self is not DecodeMode.PLAIN
 
 
+class Proposer(str, Enum):
+    """Where a verify's drafts came from (the value is what ``/metrics`` and meta info show)."""
+
+    COMPRESSED = "compressed"  # draft forwards of the model over the compressed KV
+    LOOKUP = "lookup"  # the request's own context where it repeats (verify/prompt_lookup.py)
+    AHEAD = "ahead"  # drafted while the prompt's prefix was fetched (srt/prefix/draft_ahead.py)
+
+
 @dataclass(frozen=True, slots=True)
 class VerifyRecord:
     """What one verification of one request did.
@@ -53,12 +62,14 @@ class VerifyRecord:
         ``[1, drafted + 1]``).
     bytes_fetched: full-KV bytes brought to the device for it (>= 0).
     wait_full_s: seconds the finished draft waited for the full KV (>= 0).
+    proposer: where the drafts came from.
     """
 
     drafted: int
     committed: int
     bytes_fetched: int
     wait_full_s: float
+    proposer: Proposer = Proposer.COMPRESSED
 
     def __post_init__(self) -> None:
         if self.drafted < 0:
@@ -95,6 +106,8 @@ class VeriCacheStats:
     bytes_fetched: int = 0
     wait_full_s: float = 0.0
     fetch_failures: int = 0
+    # proposer -> [verifies, drafted, accepted] of the verifications it drafted
+    by_proposer: dict[str, list[int]] = field(default_factory=dict)
 
     @classmethod
     def plain(cls, reason: str) -> VeriCacheStats:
@@ -120,6 +133,10 @@ class VeriCacheStats:
         self.verify_steps += 1
         self.bytes_fetched += rec.bytes_fetched
         self.wait_full_s += rec.wait_full_s
+        mine = self.by_proposer.setdefault(rec.proposer.value, [0, 0, 0])
+        mine[0] += 1
+        mine[1] += rec.drafted
+        mine[2] += rec.accepted
 
     def record_fetch_failure(self) -> None:
         """Count a failed full-KV transfer (the worker recomputed instead)."""
@@ -150,6 +167,8 @@ class VeriCacheStats:
             "bytes_fetched": self.bytes_fetched,
             "wait_full_s": round(self.wait_full_s, 6),
             "fetch_failures": self.fetch_failures,
+            "proposers": {name: {"verify_steps": v, "drafted": d, "accepted": a}
+                          for name, (v, d, a) in sorted(self.by_proposer.items())},
         }
 
     def check_integrity(self) -> None:
@@ -160,6 +179,8 @@ class VeriCacheStats:
         assert self.wait_full_s >= 0.0
         assert self.accepted <= self.drafted, (self.accepted, self.drafted)
         assert self.committed == self.accepted + self.verify_steps
+        assert sum(v for v, _, _ in self.by_proposer.values()) == self.verify_steps
+        assert sum(d for _, d, _ in self.by_proposer.values()) == self.drafted
         if self.mode is DecodeMode.PLAIN:
             assert self.plain_reason, "plain mode needs a reason"
         else:

@@ -9,7 +9,14 @@ costs of ``step_cost.StepCostModel``, for the batch at hand::
     draft rate  = (sum_drafted E(alpha_i, x) + rows not drafted)
                   / (sum_{j<x} T_draft(rows, sum C_i + j + 1) + T_verify(rows * W, sum L_i + W))
 
-and the step drafts the best x only when its rate beats plain by ``margin`` (hysteresis: a tie
+and the step drafts the best x only when its rate beats plain by ``margin``. Rows whose context
+repeats also carry a prompt-lookup draft of ``l_i`` tokens (``verify/prompt_lookup.py``) with its
+own acceptance ``beta_i``; a lookup step costs no draft forward::
+
+    lookup rate = (sum_i E(beta_i, min(x, l_i)) + rows without a lookup draft)
+                  / T_verify(rows * W, sum L_i + W)
+
+and it is chosen where it beats both (and plain by ``margin``) (hysteresis: a tie
 is not worth the compressed KV's upkeep). Drafting pays where attention over the full KV
 dominates a step (long contexts, large batches, high acceptance) and loses where the fixed and
 per-token cost of x + 1 forwards dominates: the same code finds both, on any device, from what
@@ -39,33 +46,39 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from sglang_vericache.verify.policy import expected_committed
+from sglang_vericache.verify.stats import Proposer
 from sglang_vericache.verify.step_cost import ForwardKind, ForwardShape, StepCostModel
 
 PLAIN_FASTER = "plain decoding is faster"  # the reason of a measured no-draft decision
+LOOKUP_PAYS = "lookup drafts pay"  # drafts from the requests' own context, no draft forward
 
 
 @dataclass(frozen=True, slots=True)
 class PlannedRow:
     """One batch row: ``context`` committed KV tokens, ``compressed`` tokens in its compressed
     view (0 when not drafted), acceptance estimate ``alpha``, ``remaining`` tokens it may emit,
-    and whether it can draft at all."""
+    whether it can draft at all, and its prompt-lookup draft: ``lookup`` tokens (0: none, or the
+    step cannot take lookup drafts) accepted at ``lookup_alpha``."""
 
     context: int
     compressed: int
     alpha: float
     remaining: int
     drafts: bool
+    lookup: int = 0
+    lookup_alpha: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
 class StepDecision:
-    """drafts: draft tokens this step (0: a plain decode step). Rates in committed tokens per
-    second as predicted (None while a fit is not ready)."""
+    """drafts: draft tokens this step (0: a plain decode step), made by ``proposer``. Rates in
+    committed tokens per second as predicted (None while a fit is not ready)."""
 
     drafts: int
     reason: str
     plain_rate: float | None = None
     draft_rate: float | None = None
+    proposer: Proposer = Proposer.COMPRESSED
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,6 +137,9 @@ class StepPlanner:
         drafting = draft_rate > plain_rate * (1.0 + self.config.margin)
         self._review_exploration(drafting)
         if self.decisions < self.next_exploration:
+            lx, lookup_rate = self.best_lookup(rows)
+            if lookup_rate > max(draft_rate, plain_rate * (1.0 + self.config.margin)):
+                return StepDecision(lx, LOOKUP_PAYS, plain_rate, lookup_rate, Proposer.LOOKUP)
             return StepDecision(x if drafting else 0, "drafting pays" if drafting else PLAIN_FASTER,
                                 plain_rate, draft_rate)  # fmt: skip
         self._explored_against = drafting  # keep the losing mode's fit fresh, as cheaply as can be
@@ -166,6 +182,23 @@ class StepPlanner:
                             if r.drafts else 1.0 for r in rows)  # fmt: skip
             rate = committed / max(seconds, 1e-9)
             if rate >= best_rate:
+                best_x, best_rate = x, rate
+        return best_x, best_rate
+
+
+    def best_lookup(self, rows: Sequence[PlannedRow]) -> tuple[int, float]:
+        """The lookup draft count of the highest predicted rate (module doc), and that rate;
+        (0, 0.0) when no row has a lookup draft. Every row commits at least its verify's token.
+        """
+        longest = min(max((r.lookup for r in rows), default=0), self._cap(rows, self.max_drafts))
+        best_x, best_rate = 0, 0.0
+        for x in range(1, longest + 1):
+            seconds = self.costs.predict(ForwardKind.VERIFY, verify_shape(rows, x + 1)) or 0.0
+            committed = sum(expected_committed(r.lookup_alpha,
+                                               min(x, r.lookup, max(0, r.remaining - 1)))
+                            for r in rows)  # fmt: skip
+            rate = committed / max(seconds, 1e-9)
+            if rate > best_rate:
                 best_x, best_rate = x, rate
         return best_x, best_rate
 

@@ -65,3 +65,18 @@ def test_proposals_are_refused_where_rows_need_q_or_a_mask() -> None:
     chain.sampled = SimpleNamespace(width=2)  # a sampled row: its q must come from drafting
     with pytest.raises(ValueError, match="all-greedy"):
         chain.propose(torch.tensor([[3]]))
+
+
+def test_short_or_absent_lookup_drafts_verify_only_as_far_as_they_go() -> None:
+    """A lookup step: row 0's draft is 1 token (padding after it is never accepted, though the
+    verify agrees with it), row 1 has none (its verify token only), row 2 has the full width."""
+    chain = greedy_chain(3, 3, drafted=[0, 1, 2])
+    chain.propose(torch.tensor([[5, 0], [1, 1], [7, 8]]),
+                  torch.tensor([1, 0, 2], dtype=torch.int32))  # fmt: skip
+    assert chain.draft_lens.tolist() == [1, 0, 2]
+    chain.check_integrity()
+    verify = one_hot([5, 0, 9, 4, 1, 1, 7, 8, 3])
+    accepted = chain.accept(verify)
+    assert accepted.accept_lens.tolist() == [2, 1, 3]
+    assert accepted.row_tokens(0) == [5, 0] and accepted.row_tokens(1) == [4]
+    assert accepted.row_tokens(2) == [7, 8, 3]

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-from sglang_vericache.verify.draft_length import FIXED, DraftLengthController, StepRow
+from sglang_vericache.verify.draft_length import (
+    FIXED,
+    FORCED_LOOKUP,
+    DraftLengthController,
+    StepRow,
+)
+from sglang_vericache.verify.stats import Proposer
 from sglang_vericache.verify.step_cost import ForwardKind, ForwardShape
 
 
@@ -54,3 +60,31 @@ def test_acceptance_drives_the_choice() -> None:
 def test_rows_that_cannot_draft_get_a_plain_step() -> None:
     ctl = DraftLengthController(fixed=4, max_drafts=8)
     assert ctl.plan(rows(6300, drafts=False)).drafts == 0
+
+
+def looked_up(context: int, tokens: list[int], alpha: float = 0.9) -> list[StepRow]:
+    """8 rows; row i has a lookup draft of ``tokens[i]`` tokens (the list is cycled)."""
+    return [StepRow(f"r{i}", context, context // 4, 200, True, tokens[i % len(tokens)], alpha)
+            for i in range(8)]
+
+
+def test_proposer_lookup_takes_lookup_drafts_wherever_a_row_has_one() -> None:
+    fixed = DraftLengthController(fixed=4, max_drafts=8, proposer="lookup")
+    plan = fixed.plan(looked_up(100, [0, 6]))
+    assert (plan.drafts, plan.reason, plan.proposer) == (4, FORCED_LOOKUP, Proposer.LOOKUP)
+    assert fixed.plan(looked_up(100, [0, 2])).drafts == 2  # no more than the longest
+    assert fixed.plan(looked_up(100, [0])).proposer is Proposer.COMPRESSED  # none: as before
+    auto = DraftLengthController(fixed=None, max_drafts=8, proposer="lookup")
+    assert auto.plan(looked_up(100, [3])).drafts == 3
+
+
+def test_proposer_compressed_never_prices_lookup_drafts() -> None:
+    for proposer, expected in (("compressed", Proposer.COMPRESSED), ("auto", Proposer.LOOKUP)):
+        ctl = DraftLengthController(fixed=None, max_drafts=8, proposer=proposer)
+        time_forwards(ctl)
+        for _ in range(10):
+            for i in range(8):
+                ctl.observe(f"r{i}", drafted=4, accepted=3)
+        assert ctl.plan(looked_up(6000, [6], alpha=0.95)).proposer is expected
+    fixed = DraftLengthController(fixed=4, max_drafts=8)  # auto with a fixed length: as before
+    assert fixed.plan(looked_up(100, [6])).proposer is Proposer.COMPRESSED

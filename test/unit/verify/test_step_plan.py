@@ -12,7 +12,9 @@ from sglang_vericache.verify.step_cost import (
     LinearCost,
     StepCostModel,
 )
+from sglang_vericache.verify.stats import Proposer
 from sglang_vericache.verify.step_plan import (
+    LOOKUP_PAYS,
     PLAIN_FASTER,
     PlannedRow,
     PlannerConfig,
@@ -306,3 +308,32 @@ def test_best_draft_is_the_best_of_every_chain_length(context, alpha, remaining)
     top = max(range(2, min(16, max(2, remaining - 1)) + 1), key=lambda x: (rate(x), x))
     x, best = planner.best_draft(rows)
     assert x == top and best == pytest.approx(rate(top), rel=1e-12)
+
+
+def with_lookup(rows: list[PlannedRow], tokens: int, alpha: float) -> list[PlannedRow]:
+    return [PlannedRow(r.context, r.compressed, r.alpha, r.remaining, r.drafts, tokens, alpha)
+            for r in rows]
+
+
+def test_lookup_drafts_win_where_they_are_accepted_and_lose_where_they_are_not() -> None:
+    """A lookup step pays only its verify: at 8 x 6.3k with lookup drafts accepted about as
+    often as the compressed KV's, it beats them (no draft forwards); rarely accepted ones do
+    not; rows without a lookup draft commit one token each."""
+    planner = trained_planner()
+    rows = batch(8, 6300, alpha=0.9)
+    compressed = planner.plan(rows)
+    good = planner.plan(with_lookup(rows, 6, 0.9))
+    assert good.proposer is Proposer.LOOKUP and good.reason == LOOKUP_PAYS, good
+    assert 1 <= good.drafts <= 6 and good.draft_rate > compressed.draft_rate
+    poor = planner.plan(with_lookup(rows, 6, 0.05))
+    assert poor.proposer is Proposer.COMPRESSED and poor.drafts == compressed.drafts
+    x, rate = planner.best_lookup(with_lookup(rows, 0, 0.9))
+    assert (x, rate) == (0, 0.0)  # nobody has a lookup draft
+
+
+def test_lookup_draft_count_stays_within_the_longest_lookup_draft() -> None:
+    planner = trained_planner()
+    rows = batch(8, 6300, alpha=0.9)
+    mixed = with_lookup(rows[:2], 3, 0.99) + with_lookup(rows[2:], 0, 0.0)
+    x, _ = planner.best_lookup(mixed)
+    assert 1 <= x <= 3

@@ -6,6 +6,7 @@ import pytest
 from sglang_vericache.verify.stats import (
     ACCEPT_LEN_BUCKETS,
     DecodeMode,
+    Proposer,
     VeriCacheStats,
     VerifyRecord,
 )
@@ -30,14 +31,17 @@ def test_request_stats_and_meta_info() -> None:
     s.check_integrity()
     s.record(VerifyRecord(drafted=4, committed=5, bytes_fetched=100, wait_full_s=0.25))
     s.check_integrity()
-    s.record(VerifyRecord(drafted=4, committed=2, bytes_fetched=50, wait_full_s=0.0))
+    s.record(VerifyRecord(drafted=4, committed=2, bytes_fetched=50, wait_full_s=0.0,
+                          proposer=Proposer.LOOKUP))
     s.record_fetch_failure()
     s.check_integrity()
     meta = s.to_meta_info()
     assert json.loads(json.dumps(meta)) == meta
     assert meta == {"mode": "greedy", "plain_reason": "", "constrained": False, "drafted": 8,
                     "accepted": 5, "committed": 7, "verify_steps": 2, "mean_accept_len": 3.5, "accept_rate": 0.625,
-                    "bytes_fetched": 150, "wait_full_s": 0.25, "fetch_failures": 1}
+                    "bytes_fetched": 150, "wait_full_s": 0.25, "fetch_failures": 1,
+                    "proposers": {"compressed": {"verify_steps": 1, "drafted": 4, "accepted": 4},
+                                  "lookup": {"verify_steps": 1, "drafted": 4, "accepted": 1}}}
 
 
 def test_plain_request_says_why() -> None:

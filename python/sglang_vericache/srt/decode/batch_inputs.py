@@ -108,3 +108,19 @@ def spec_result(batch, width: int, next_token_ids: torch.Tensor, accept_lens: to
         ),  # fmt: skip
         speculative_num_draft_tokens=width,
     )
+
+
+def lookup_tensor(lookup: dict[int, list[int]], rows: torch.Tensor,
+                  drafts: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """A lookup step's drafts for ``DraftChain.propose``: ([bs, drafts] int64, [bs] int32 draft
+    lengths), each row's lookup draft cut to ``drafts`` and padded with its last token (rows
+    without one: length 0, all padding; ``rows``: the chain's [bs, W] rows, column 0 set)."""
+    bs = rows.shape[0]
+    tokens = rows[:, :1].expand(bs, drafts).clone()
+    lens = torch.zeros(bs, dtype=torch.int32)
+    for i, draft in lookup.items():
+        n = min(len(draft), drafts)
+        if n:
+            tokens[i, :n] = torch.tensor(draft[:n], dtype=torch.int64)
+            lens[i] = n
+    return tokens, lens.to(rows.device)

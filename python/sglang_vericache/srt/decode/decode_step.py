@@ -44,6 +44,7 @@ from sglang_vericache.srt.attention.draft_attention import DraftPlan
 from sglang_vericache.srt.attention.draft_precision import DraftPrecision, drafting
 from sglang_vericache.srt.decode.batch_inputs import (
     last_tokens,
+    lookup_tensor,
     one_token_rows,
     set_decode_inputs,
     set_verify_inputs,
@@ -68,6 +69,7 @@ from sglang_vericache.srt.kv.reinstate import still_demoted
 from sglang_vericache.srt.metrics import VeriCacheExporter
 from sglang_vericache.srt.prefix.draft_ahead import DraftAhead, batch_proposals
 from sglang_vericache.verify import VerifyRecord
+from sglang_vericache.verify.stats import Proposer
 from sglang_vericache.verify.draft_length import DraftLengthController
 from sglang_vericache.verify.draft_chain import DraftChain
 from sglang_vericache.verify.step_cost import ForwardKind, ForwardShape
@@ -124,7 +126,12 @@ class DecodeStep:
         self._sync_states(batch, step.drafted)
         moved = relieve_pressure(batch, self.states, self.offloader(),
                                  self.speculative_num_draft_tokens)  # fmt: skip
-        plan = self.draft_length.plan(step_rows(batch, self.states, step.drafted),
+        lookup = self._lookup_drafts(batch, step)
+        # lookup drafts carry no q and no grammar mask: a step of greedy drafted rows only
+        whole = not (step.plain or step.sampled or step.grammar)
+        priced = {i: (len(d), self.book.lookups[batch.reqs[i].rid].alpha)
+                  for i, d in lookup.items()} if whole else {}  # fmt: skip
+        plan = self.draft_length.plan(step_rows(batch, self.states, step.drafted, priced),
                                       joining_contexts(batch, step.drafted, self.offloader()))
         if plan.reason == PLAIN_FASTER:
             self._demote_for_room(batch, step.drafted)
@@ -135,8 +142,19 @@ class DecodeStep:
             self.metrics.observe_pressure_offload(moved)
         self._lap(Phase.PREPARE)
         if plan.drafts:
-            return self._verify_step(batch, step, plan.drafts)
+            return self._verify_step(batch, step, plan.drafts,
+                                     lookup if plan.proposer is Proposer.LOOKUP else None)
         return self._plain_step(batch)
+
+    def _lookup_drafts(self, batch, step: StepRows) -> dict[int, list[int]]:
+        """Row -> prompt-lookup draft of each greedy drafted row (``RequestBook.lookup_drafts``;
+        scored against what commits whichever proposer the step uses), unless
+        ``--vericache-proposer compressed``."""
+        if self.draft_length.proposer == "compressed":
+            return {}
+        skip = {*step.sampled, *step.grammar}
+        greedy = [i for i in step.drafted if i not in skip]
+        return self.book.lookup_drafts(batch.reqs, greedy, self.speculative_num_draft_tokens - 1)
 
     def _lap(self, phase: Phase) -> None:
         lap(self.clock, phase)
@@ -244,8 +262,10 @@ class DecodeStep:
                 roll_back_or_abort(chain.grammar, batch.reqs)
         return spent
 
-    def _verify_step(self, batch, step: StepRows, drafts: int):
-        """Draft ``drafts`` tokens for ``step.drafted``, verify every row, commit
+    def _verify_step(self, batch, step: StepRows, drafts: int,
+                     lookup: dict[int, list[int]] | None = None):  # fmt: skip
+        """Draft ``drafts`` tokens for ``step.drafted`` (from the compressed views, or up to
+        that many of each row's ``lookup`` draft), verify every row, commit
         (``verify/row_acceptance.py``)."""
         started, drafting_seconds = time.perf_counter(), 0.0
         bs, drafted, plain_rows = len(batch.reqs), step.drafted, step.plain
@@ -265,14 +285,19 @@ class DecodeStep:
         # Drafts made while fetching are greedy, unmasked and carry no q: all-greedy steps only.
         ahead = None if plain_rows or step.sampled or step.grammar else batch_proposals(
             self.ahead(), batch.reqs, width - 1, self.book.ahead_used, self.device)
+        proposer = Proposer.COMPRESSED
         if ahead is not None:  # every request was drafted while its prefix was fetched
-            width = 1 + ahead.shape[1]
+            width, proposer = 1 + ahead.shape[1], Proposer.AHEAD
+        elif lookup is not None:
+            proposer = Proposer.LOOKUP
         chain = DraftChain.start(last_tokens(batch, self.device), width, drafted,
                                  reqs=batch.reqs, sampling_info=batch.sampling_info,
                                  sampled_rows=step.sampled, grammar_rows=step.grammar,
                                  positions=base, generator=self.generator)  # fmt: skip
         if ahead is not None:
             chain.propose(ahead)
+        elif lookup is not None:
+            chain.propose(*lookup_tensor(lookup, chain.rows, drafts))
         else:
             drafting_seconds = self._draft(batch, base, chain, drafted)
         self._lap(Phase.DRAFT)
@@ -296,7 +321,7 @@ class DecodeStep:
         for i in drafted:
             queries = [capture.queries[i][layer] for layer in range(self.num_layers)]
             self._commit(batch.reqs[i], pool_rows[i], int(base[i]), int(accept_lens[i]),
-                         int(draft_lens[i]), queries)  # fmt: skip
+                         int(draft_lens[i]), queries, proposer)  # fmt: skip
         for i in step.demoted:  # their token follows their KV to the host
             self.offload(batch.reqs[i], pool_rows[i], int(base[i]) + 1, None)
         self._lap(Phase.OFFLOAD)
@@ -313,18 +338,20 @@ class DecodeStep:
         return self.result(batch, tokens.flatten(), accept_lens, new_seq_lens,
                            out.logits_output)  # fmt: skip
 
-    def _commit(self, req, row: int, base: int, n: int, drafts: int, queries) -> None:
-        """Book ``n`` committed tokens of a row verified over ``drafts`` drafts: compressed KV,
-        stats, placement."""
+    def _commit(self, req, row: int, base: int, n: int, drafts: int, queries,
+                proposer: Proposer) -> None:  # fmt: skip
+        """Book ``n`` committed tokens of a row verified over ``drafts`` drafts of ``proposer``:
+        compressed KV, stats, placement."""
         state, offloader = self.states[req.rid], self.offloader()
         slots = offloader.row_slots(row, base, base + n)
         state.append(offloader.read_slots, slots, [q[:, :n] for q in queries])
         span = offloader.ledger.span(row)
         fetched = 0 if span is None else span.host.nbytes  # host KV the verify read
         record = VerifyRecord(drafted=drafts, committed=n, bytes_fetched=fetched,
-                              wait_full_s=0.0)  # fmt: skip
+                              wait_full_s=0.0, proposer=proposer)  # fmt: skip
         state.stats.record(record)
-        self.draft_length.observe(req.rid, drafts, n - 1)
+        if proposer is not Proposer.LOOKUP:  # a lookup draft is scored by its own index
+            self.draft_length.observe(req.rid, drafts, n - 1)
         if self.metrics is not None:
             self.metrics.observe_verify(record, state.stats.mode)
         self._lap(Phase.COMMIT)

@@ -18,8 +18,9 @@ Between its prefill and the worker's next forward a request may also have ``afte
 work: building its compressed KV and moving its full KV to the host, left until its first
 token has gone out (the worker runs it first thing in its next forward).
 
-``ahead_used`` (drafts made while its prefix was fetched, and how many went to verify) and the
-draft-length controller's acceptance estimate ride along. Nothing here forgets a request: the
+``ahead_used`` (drafts made while its prefix was fetched, and how many went to verify), the
+draft-length controller's acceptance estimate and a greedy request's prompt-lookup index
+(``lookups``: ``verify/prompt_lookup.py``) ride along. Nothing here forgets a request: the
 request table's ``close`` (``requests/table.py``), the one way a request ends, drops its record
 and every field with it. Scheduler thread only.
 """
@@ -34,6 +35,7 @@ from sglang_vericache.verify.draft_length import DraftLengthController
 from sglang_vericache.srt.kv.draft_state import RequestDraftState
 from sglang_vericache.srt.decode.eligibility import plain_reason, whole_step_reason
 from sglang_vericache.verify import VeriCacheStats
+from sglang_vericache.verify.prompt_lookup import RequestLookup
 
 OFFLOAD_ONLY = "--vericache-draft-len 0: full KV offloaded, read back for every token, no drafts"
 DEMOTED = ("compressed KV dropped to make room: drafting did not pay here; full KV offloaded, "
@@ -59,12 +61,15 @@ class RequestBook:
     acceptance estimates are the records' ``acceptance``."""
 
     def __init__(self, requests: RequestTable | Callable[[], RequestTable], offload_only: bool,
-                 fixed: int | None, max_drafts: int) -> None:  # fmt: skip
-        """requests: the table, or what finds it on use (``RecordField``)."""
+                 fixed: int | None, max_drafts: int, proposer: str = "auto") -> None:  # fmt: skip
+        """requests: the table, or what finds it on use (``RecordField``); proposer:
+        ``--vericache-proposer``."""
         self._requests = table_finder(requests)
         self.offload_only = offload_only
         self.draft_length = DraftLengthController(
-            fixed, max_drafts, estimates=RecordField(self._requests, "acceptance"))
+            fixed, max_drafts, estimates=RecordField(self._requests, "acceptance"),
+            proposer=proposer)  # fmt: skip
+        self.lookups = RecordField(self._requests, "context_lookup")
         self.states = RecordField(self._requests, "draft")
         self.plain = RecordField(self._requests, "plain")
         self.ahead_used = RecordField(self._requests, "ahead_used")
@@ -84,6 +89,20 @@ class RequestBook:
     def stats(self, rid: str) -> VeriCacheStats | None:
         state = self.states.get(rid)
         return state.stats if state is not None else self.plain.get(rid)
+
+    def lookup_drafts(self, reqs: list[Any], rows: list[int], most: int) -> dict[int, list[int]]:
+        """Each of ``rows`` (greedy, drafted) to its prompt-lookup draft of at most ``most``
+        tokens (empty: its context does not repeat its last tokens); each row's index first
+        catches up with what it committed, which scores its previous proposal."""
+        drafts = {}
+        for i in rows:
+            req = reqs[i]
+            lookup = self.lookups.get(req.rid)
+            if lookup is None:
+                lookup = self.lookups[req.rid] = RequestLookup()
+            lookup.sync(req.origin_input_ids, req.output_ids)
+            drafts[i] = lookup.propose(most)
+        return drafts
 
     def note_plain(self, req: Any, reason: str | None = None) -> None:
         """``req`` decodes plainly (once noted, it keeps its first reason)."""

@@ -21,15 +21,18 @@ from sglang_vericache.srt.decode.eligibility import tokens_left
 from sglang_vericache.verify.step_cost import ForwardShape
 
 
-def step_rows(batch: Any, states: Mapping[str, Any], drafted: Sequence[int]) -> list[StepRow]:
-    """The batch's rows for ``DraftLengthController.plan`` (``drafted``: rows that can draft)."""
-    can = set(drafted)
+def step_rows(batch: Any, states: Mapping[str, Any], drafted: Sequence[int],
+              lookup: Mapping[int, tuple[int, float]] | None = None) -> list[StepRow]:
+    """The batch's rows for ``DraftLengthController.plan`` (``drafted``: rows that can draft;
+    ``lookup``: row -> (its prompt-lookup draft's tokens, their acceptance estimate))."""
+    can, lookup = set(drafted), lookup or {}
     lens = batch.seq_lens_cpu.tolist()
     rows = []
     for i, req in enumerate(batch.reqs):
         state = states.get(req.rid) if i in can else None
+        tokens, alpha = lookup.get(i, (0, 0.0))
         rows.append(StepRow(req.rid, int(lens[i]), 0 if state is None else state.view_tokens,
-                            max(1, tokens_left(req)), state is not None))  # fmt: skip
+                            max(1, tokens_left(req)), state is not None, tokens, alpha))
     return rows
 
 

@@ -106,7 +106,8 @@ class VeriCacheWorker(BaseSpecWorker):
         self._requests: RequestTable | None = None
         self.book = RequestBook(lambda: self.requests, self.offload_only,
                                 None if self.offload_only else self.config.draft_len,
-                                self.speculative_num_draft_tokens - 1)  # fmt: skip
+                                self.speculative_num_draft_tokens - 1,
+                                self.config.proposer)  # fmt: skip
         self.draft_length = self.book.draft_length
         self.states = self.book.states  # rid -> RequestDraftState of each drafted request
         # Draws of sampled rows without a sampling_seed (seeded rows hash their own seed), seeded
