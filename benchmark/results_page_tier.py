@@ -7,7 +7,7 @@ Each renderer takes a ``results_page.Results`` and returns the section's body li
 
 from __future__ import annotations
 
-from benchmark.fleet_sessions_report import median_p90, skip_reason
+from benchmark.fleet_sessions_report import gsp_cell, median_p90, moved_cell, skip_reason
 from benchmark.results_page import Results, fx, prose, ratio_over_turns, span, table
 
 REMOTE_TEXT = """
@@ -209,15 +209,35 @@ def fleet_gateway(res: Results) -> list[str]:
                 phase, label, median_p90(s["e2e_s"], ".1f"), median_p90(s["ttft_s"], ".1f"),
                 f"**{fx(s.get('e2e_speedup_vs_plain'))}**", f"{s['output_tok_s']:.1f}",
                 f"{s['recomputed_tokens']} of {s['prompt_tokens']}", s["tier_hit_tokens"],
-                f"{s['identical']}/{s['compared']}", f"{s['errors']} ({s['retried_turns']})",
-                median_p90(kill, ".1f")], data["command"]))  # fmt: skip
+                moved_cell(s.get("moved")), f"{s['identical']}/{s['compared']}",
+                f"{s['errors']} ({s['retried_turns']})", median_p90(kill, ".1f")],
+                data["command"]))  # fmt: skip
     lines = prose(GATEWAY_TEXT) + [""]
     lines += table(["phase", "configuration", "E2E per turn median / p90 s", "TTFT median / p90 s",
                     "median E2E vs (a)", "output tok/s", "prompt tokens recomputed",
-                    "tokens from the tier", "identical to (a)", "failed (retried) turns",
+                    "tokens from the tier", "moved turns that found their prefix",
+                    "identical to (a)", "failed (retried) turns",
                     "first turn answered after the kill, E2E median / p90 s"], rows)  # fmt: skip
-    lines += [""] + notes + ["", f"Details: {res.links('fleet_sessions.md')}.", ""]
+    lines += [""] + notes + gateway_client(res)
+    lines += ["", f"Details: {res.links('fleet_sessions.md', 'fleet_serving.md')}.", ""]
     return lines + prose(GATEWAY_LIMITS)
+
+
+def gateway_client(res: Results) -> list[str]:
+    """SGLang's own client through the gateway (``fleet_serving.json``: fleet_sessions.py with
+    ``--gsp-prompts``), where it was run."""
+    data = res.load("fleet_serving.json")
+    if not data:
+        return []
+    rows = [res.row("fleet_serving.json", [
+        phase, data["labels"].get(name, name), gsp_cell(s.get("gsp"), "tok"),
+        gsp_cell(s.get("gsp"), "lat"), gsp_cell(s.get("gsp"), "same")], data["command"])
+        for phase, by_config in data["phases"].items() for name, s in by_config.items()
+        if s.get("gsp")]  # fmt: skip
+    return ["", "SGLang's own client through the same gateway (`python -m sglang.benchmark.serving "
+            "--dataset-name generated-shared-prefix`, several turns, chat backend, greedy):", ""] \
+        + table(["phase", "configuration", "output tok/s", "median TTFT / TPOT ms",
+                 "texts identical to (a)"], rows)  # fmt: skip
 
 
 def gateway_headline(res: Results) -> list[tuple[str, str, str, str]]:

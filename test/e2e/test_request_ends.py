@@ -33,9 +33,10 @@ pytestmark = [pytest.mark.sglang, pytest.mark.model, pytest.mark.timeout(1800)]
 BUDGET_TOKENS = 1536  # a few long requests' full KV: more at once queue, or retract
 PROMPT = "Write a long story about a lighthouse keeper and the ships she guides home.\n"
 LONG = {"temperature": 0, "max_new_tokens": 400, "ignore_eos": True}
-# decoded plainly (penalties): their full KV stays in the pool, as plain SGLang's does, so the
-# budget runs out mid-decode and SGLang retracts (drafted rows' full KV moves to host memory)
-LONG_PLAIN = {**LONG, "repetition_penalty": 1.05}
+# decoded plainly (min_new_tokens: logit processing): their full KV stays in the pool, as plain
+# SGLang's does, so the budget runs out mid-decode and SGLang retracts (drafted rows' full KV
+# moves to host memory)
+LONG_PLAIN = {**LONG, "min_new_tokens": 1}
 
 
 @pytest.fixture(scope="module")
@@ -118,9 +119,10 @@ def test_requests_ended_every_way_leave_no_state(tight_server: SGLangServer) -> 
     for text in ("Once upon a time", "def main():", PROMPT):
         one = _generate(server, {"temperature": 0, "max_new_tokens": 1}, text=text)
         assert len(one["output_ids"]) == 1
-    # sampled and plainly decoded rows (penalties) end the same way
+    # sampled, penalized (drafted) and plainly decoded (min_new_tokens) rows end the same way
     _generate(server, {"temperature": 0.8, "max_new_tokens": 16, "sampling_seed": 7})
     _generate(server, {"temperature": 0, "max_new_tokens": 16, "repetition_penalty": 1.2})
+    _generate(server, {"temperature": 0, "max_new_tokens": 16, "min_new_tokens": 2})
 
     # more long outputs at once than the budget holds: some wait in the queue (aborted there
     # by rid), one is aborted mid-decode, one's client hangs up, the rest run; decoding past

@@ -100,7 +100,8 @@ def _req(**sampling):
         ({"temperature": 0.7}, "sampled", None),
         ({"temperature": 1.0, "top_p": 0.9}, "sampled", None),
         ({"temperature": 0.5, "top_k": 20, "min_p": 0.05}, "sampled", None),
-        ({"temperature": 0, "repetition_penalty": 1.2}, "plain", "penalties"),
+        # a greedy row's penalties are mirrored along its draft chain (penalized_rows.py)
+        ({"temperature": 0, "repetition_penalty": 1.2}, "greedy", None),
         ({"temperature": 0.7, "frequency_penalty": 0.5}, "plain", "penalties"),
         ({"temperature": 0.7, "logit_bias": {"5": 2.0}}, "plain", "logit processing"),
         ({"temperature": 0, "min_new_tokens": 4}, "plain", "logit processing"),
@@ -150,16 +151,18 @@ def test_logprob_requests_are_drafted_and_hidden_states_make_the_step_plain() ->
     assert "hidden states" in whole_step_reason(req)
 
 
-@pytest.mark.parametrize("overlapped, output, want", [
-    (False, [5, 6, 7], 7),   # synchronous: the step learns the newest token
-    (True, [5, 6, 7], 6),    # overlapped: one token behind
-    (True, [5], 99),         # overlapped first decode: the prompt's last token
-    (False, [5], 5),
+@pytest.mark.parametrize("overlapped, output, start, want", [
+    (False, [5, 6, 7], 2, [7]),       # synchronous: a step learns the newest token
+    (True, [5, 6, 7], 2, [6]),        # overlapped: one token behind
+    (True, [5], 0, [99]),             # overlapped first decode: the prompt's last token
+    (False, [5], 0, [5]),
+    (True, [5, 6, 7, 8], 1, [5, 6, 7]),   # after a verify that committed three
+    (False, [5, 6, 7, 8], 1, [6, 7, 8]),
 ])  # fmt: skip
-def test_penalizers_learn_the_token_plain_sglang_would_feed(overlapped, output, want) -> None:
-    from sglang_vericache.srt.hooks.penalties import penalized_token
+def test_penalizers_learn_what_plain_sglang_would_feed(overlapped, output, start, want) -> None:
+    from sglang_vericache.srt.hooks.penalties import feed_stream
 
-    assert penalized_token(output, [1, 2, 99], overlapped) == want
+    assert feed_stream(output, [1, 2, 99], overlapped, start, len(output)) == want
 
 
 def test_torch_row_assignment_matches_the_kernel_contract() -> None:

@@ -66,7 +66,7 @@ def test_a_demoted_request_is_plain_offloaded_and_drafts_again_once_reinstated()
 def test_plain_reasons_and_a_close_drops_them() -> None:
     table = RequestTable()
     book = RequestBook(table, offload_only=False, fixed=None, max_drafts=4)
-    book.note_plain(_req("p", repetition_penalty=1.2))
+    book.note_plain(_req("p", repetition_penalty=1.2, temperature=0.7, top_k=50))  # sampled
     assert "penalt" in book.stats("p").plain_reason and not book.offloads_plainly("p")
     book.note_plain(_req("p"), "another reason")  # keeps its first reason
     assert "penalt" in book.stats("p").plain_reason

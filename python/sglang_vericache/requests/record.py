@@ -47,7 +47,9 @@ class VeriRequest:
     was fetched, drafts of those verified]``; ``acceptance``, the draft-length controller's
     estimate of its acceptance (``verify/draft_length.py``); ``context_lookup``, the n-gram
     index over its tokens that proposes lookup drafts, and their acceptance
-    (``verify/prompt_lookup.py``).
+    (``verify/prompt_lookup.py``); ``penalty_learned``, the tokens SGLang's penalizers learned
+    for it (``srt/hooks/penalties.py``), and ``penalty_mirror``, their mirror along a draft chain
+    (``verify/penalty_mirror.py``).
 
     The prefix path's (``srt/prefix/``): ``tier_generation``, the weights generation its prefix
     match saw (it may write to the tier only while that is the one served); ``lookup``, its
@@ -69,6 +71,8 @@ class VeriRequest:
     ahead_used: list[int] | None = None
     acceptance: Any = None  # verify/policy.AcceptanceEstimate
     context_lookup: Any = None  # verify/prompt_lookup.RequestLookup
+    penalty_learned: int | None = None  # feed-stream tokens its penalizers learned (hooks)
+    penalty_mirror: Any = None  # verify/penalty_mirror.PenaltyMirror
     tier_generation: int | None = None
     lookup: Any = None  # tier/pending_prefix.PendingPrefix
     fetch_claims: list[Any] | None = None  # tier/shared_fetch chunks, in order
@@ -90,5 +94,5 @@ class VeriRequest:
 # The per-request state fields (everything but identity and place): ``RecordField`` views name
 # one of these, and ``RequestTable.entry_counts`` counts each.
 STATE_FIELDS = ("draft", "plain", "demotion", "after_prefill", "ahead_used", "acceptance",
-                "context_lookup", "tier_generation", "lookup", "fetch_claims", "ahead_job", "ahead_declined",
-                "finished_draft")  # fmt: skip
+                "context_lookup", "penalty_learned", "penalty_mirror", "tier_generation", "lookup",
+                "fetch_claims", "ahead_job", "ahead_declined", "finished_draft")  # fmt: skip

@@ -51,6 +51,7 @@ from sglang_vericache.srt.decode.batch_inputs import (
 )
 from sglang_vericache.srt.decode.eligibility import StepRows, decode_mode
 from sglang_vericache.srt.decode.request_book import RequestBook
+from sglang_vericache.srt.decode.penalized_rows import penalize_verify
 from sglang_vericache.srt.decode.row_sampling import commit_verify
 from sglang_vericache.srt.decode.stop_tokens import stop_token_ids
 from sglang_vericache.srt.decode.step_costs import (
@@ -62,6 +63,7 @@ from sglang_vericache.srt.decode.step_costs import (
     verify_shape,
 )
 from sglang_vericache.srt.hooks.grammar_rollback import roll_back_or_abort
+from sglang_vericache.srt.hooks.penalties import plain_would_overlap
 from sglang_vericache.srt.kv.draft_state import RequestDraftState
 from sglang_vericache.srt.kv.full_kv_stage import FullKVStager
 from sglang_vericache.srt.kv.offloader import PoolOffloader
@@ -312,6 +314,9 @@ class DecodeStep:
             capture, attn.capture = attn.capture, None
             stager.release()
         chain.mask_verify(out.logits_output.next_token_logits)
+        penalize_verify(out.logits_output.next_token_logits, chain.rows, chain.draft_lens,
+                        step.penalized, batch.reqs, batch.sampling_info, self.book.penalties,
+                        plain_would_overlap())  # fmt: skip
         accepted = commit_verify(self.model_runner, batch, out.logits_output, chain, plain_rows,
                                  base.to(self.device))  # fmt: skip
         accepted = chain.settle(accepted, [stop_token_ids(r) for r in batch.reqs])

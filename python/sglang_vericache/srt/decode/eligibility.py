@@ -8,7 +8,8 @@ The one place that decides a row's mode::
              the compressed-KV distribution q and accepted by speculative sampling
              (``verify.speculative_accept``, ``verify/row_acceptance.py``), identical in
              distribution to plain sampling
-    PLAIN    penalties, logit bias, ``min_new_tokens``, a custom logit processor, a grammar
+    PLAIN    penalties on a sampled or grammar-constrained request, logit bias,
+             ``min_new_tokens``, a custom logit processor, a grammar
              whose backend cannot roll back (outlines, also inside a reasoning parser's
              wrapper), ``max_new_tokens: 0`` (never decodes):
              no drafts; the row takes one exact token from SGLang's sampler in the same verify
@@ -16,9 +17,12 @@ The one place that decides a row's mode::
 
 Grammar rows of either mode draft too: their matcher advances along the draft chain and rolls
 back, and every draft and verify column is masked by its state there (``verify/grammar_chain.py``).
-Why the rest stay plain: their logits depend on state that SGLang 0.5.23 advances one token per
-step and cannot roll back (penalty counts, ``min_new_tokens``' length) or on code we cannot run
-on a draft chain (a custom processor). Temperature, top-p/top-k/min-p depend on the logits
+Greedy rows with repetition / frequency / presence penalties draft: each verify column is
+penalized by a mirror of SGLang's penalizer state advanced along the chain
+(``srt/decode/penalized_rows.py``). Why the rest stay plain: their logits depend on state that
+SGLang 0.5.23 advances one token per step (``min_new_tokens``' length; penalties under a
+sampled or grammar row's other transforms, not mirrored) or on code we cannot run on a draft
+chain (a custom processor). Temperature, top-p/top-k/min-p depend on the logits
 alone, and ``verify/sampling_probs.py`` rebuilds SGLang's sampling distribution from them
 exactly. Logprobs are not a reason: the verify computes full-KV logits at every committed
 position and they are served from there.
@@ -47,14 +51,21 @@ def plain_reason(req: Any) -> str | None:
     sp = req.sampling_params
     if prefill_only(req):
         return "prefill only"
-    if sp.frequency_penalty or sp.presence_penalty or sp.repetition_penalty != 1.0:
-        return "penalties"
+    if penalized(req) and (sp.top_k > 1 or getattr(req, "grammar", None) is not None):
+        return "penalties on a sampled or constrained request"
     if sp.min_new_tokens or sp.logit_bias or getattr(req, "custom_logit_processor", None):
         return "logit processing"
     grammar = getattr(req, "grammar", None)
     if grammar is not None and not rolls_back(grammar):
         return "constrained decoding (grammar backend without rollback)"
     return None
+
+
+def penalized(req: Any) -> bool:
+    """Repetition, frequency or presence penalties (a greedy request's are drafted through:
+    ``srt/decode/penalized_rows.py``)."""
+    sp = req.sampling_params
+    return bool(sp.frequency_penalty or sp.presence_penalty or sp.repetition_penalty != 1.0)
 
 
 def rolls_back(grammar: Any) -> bool:
@@ -113,7 +124,8 @@ class StepRows:
     """One decode step's batch rows by how they decode (indices into ``batch.reqs``, ascending).
 
     drafted: GREEDY and SAMPLED rows (drafted, verified); sampled: the SAMPLED ones among them;
-    grammar: the drafted ones with a grammar (masked along the chain); plain: every other row
+    grammar: the drafted ones with a grammar (masked along the chain); penalized: the drafted
+    ones with penalties (greedy; penalized along the chain); plain: every other row
     (one token from SGLang's sampler in the same step); demoted: the plain rows whose compressed
     KV was dropped (``without``): their committed token follows their KV to the host.
     """
@@ -123,6 +135,7 @@ class StepRows:
     plain: list[int]
     grammar: list[int] = field(default_factory=list)
     demoted: list[int] = field(default_factory=list)
+    penalized: list[int] = field(default_factory=list)
 
     @classmethod
     def of(cls, reqs: list[Any], *, drafting: bool = True,
@@ -141,6 +154,7 @@ class StepRows:
             plain=[i for i, m in enumerate(modes) if not m.drafted],
             grammar=[i for i, m in enumerate(modes)
                      if m.drafted and getattr(reqs[i], "grammar", None) is not None],
+            penalized=[i for i, m in enumerate(modes) if m.drafted and penalized(reqs[i])],
         )  # fmt: skip
 
     def without(self, rows: set[int]) -> StepRows:
@@ -150,4 +164,4 @@ class StepRows:
         keep = lambda xs: [i for i in xs if i not in rows]  # noqa: E731
         return StepRows(keep(self.drafted), keep(self.sampled),
                         sorted({*self.plain, *(set(self.drafted) & rows)}), keep(self.grammar),
-                        sorted(rows))  # fmt: skip
+                        sorted(rows), keep(self.penalized))  # fmt: skip

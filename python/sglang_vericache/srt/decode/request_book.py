@@ -19,8 +19,9 @@ work: building its compressed KV and moving its full KV to the host, left until 
 token has gone out (the worker runs it first thing in its next forward).
 
 ``ahead_used`` (drafts made while its prefix was fetched, and how many went to verify), the
-draft-length controller's acceptance estimate and a greedy request's prompt-lookup index
-(``lookups``: ``verify/prompt_lookup.py``) ride along. Nothing here forgets a request: the
+draft-length controller's acceptance estimate, a greedy request's prompt-lookup index
+(``lookups``: ``verify/prompt_lookup.py``) and a penalized one's penalty mirror (``penalties``:
+``srt/decode/penalized_rows.py``) ride along. Nothing here forgets a request: the
 request table's ``close`` (``requests/table.py``), the one way a request ends, drops its record
 and every field with it. Scheduler thread only.
 """
@@ -70,6 +71,7 @@ class RequestBook:
             fixed, max_drafts, estimates=RecordField(self._requests, "acceptance"),
             proposer=proposer)  # fmt: skip
         self.lookups = RecordField(self._requests, "context_lookup")
+        self.penalties = RecordField(self._requests, "penalty_mirror")
         self.states = RecordField(self._requests, "draft")
         self.plain = RecordField(self._requests, "plain")
         self.ahead_used = RecordField(self._requests, "ahead_used")
