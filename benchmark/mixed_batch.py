@@ -1,10 +1,10 @@
 """Drafting in mixed traffic: greedy rows beside sampled rows and beside plain rows.
 
 VeriCache drafts greedy and sampled rows (speculative sampling) and gives every other row
-(penalties, grammars, ...) one exact token from SGLang's sampler in the same verify
+(``min_new_tokens``, logit bias, ...) one exact token from SGLang's sampler in the same verify
 (``srt/decode/row_sampling.py``). On one ``--vericache`` server with a fixed draft length, side by
 side in one run, three batches of the same prompts: all greedy; half greedy + half sampled
-(``temperature`` 0.8); half greedy + half penalized (``repetition_penalty``, plain rows). It
+(``temperature`` 0.8); half greedy + half plain (``min_new_tokens``, the plain rows). It
 reports each kind of row's committed tokens per verification. Greedy outputs are compared with
 plain SGLang (started with the same arguments minus ``--vericache``).
 
@@ -74,7 +74,7 @@ def main() -> None:
     half = args.requests // 2
     greedy = {"temperature": 0, "max_new_tokens": args.max_new_tokens, "ignore_eos": True}
     sampled = {**greedy, "temperature": args.temperature}
-    penalized = {**greedy, "repetition_penalty": 1.1}
+    plain_rows = {**greedy, "min_new_tokens": 1}  # logit processing: decoded plainly
     base = ["--max-total-tokens", "65536", "--chunked-prefill-size", "1024"]
     logs = args.out.parent / f"{args.out.name}-logs"
     with SGLangServer(base, log_path=logs / "plain.log") as plain:
@@ -86,7 +86,7 @@ def main() -> None:
         mixed, wall_mixed = send_all(server.url, [(p, greedy) for p in prompts[:half]]
                                      + [(p, sampled) for p in prompts[half:]])  # fmt: skip
         with_plain, wall_plain = send_all(server.url, [(p, greedy) for p in prompts[:half]]
-                                          + [(p, penalized) for p in prompts[half:]])  # fmt: skip
+                                          + [(p, plain_rows) for p in prompts[half:]])  # fmt: skip
     identical = all(m["output_ids"] == r["output_ids"] == g["output_ids"] == w["output_ids"]
                     for m, r, g, w in zip(mixed[:half], reference, all_greedy, with_plain))
     batches = {"all_greedy": (all_greedy, wall_greedy), "mixed": (mixed, wall_mixed),
@@ -107,7 +107,7 @@ def main() -> None:
           "| batch | other rows | greedy rows: committed / verify | other rows: mode, "
           "committed / verify | wall s |", "|---|---|---|---|---|"]  # fmt: skip
     others = {"all_greedy": "greedy", "mixed": f"temperature {args.temperature}",
-              "with_plain_rows": "repetition_penalty 1.1"}  # fmt: skip
+              "with_plain_rows": "min_new_tokens 1"}  # fmt: skip
     for name, label in others.items():
         r = result[name]
         g, o = r["greedy_rows"], r["other_rows"]

@@ -97,10 +97,14 @@ def test_one_token_requests_leave_no_state(plain_server, vericache_server) -> No
 @pytest.mark.parametrize("penalty", [{"repetition_penalty": 1.2}, {"repetition_penalty": 0.5},
                                      {"frequency_penalty": 0.8}, {"presence_penalty": 0.8}])
 def test_penalties_at_temperature_zero_match(plain_server, vericache_server, penalty) -> None:
+    """Penalized greedy requests draft: every verify column is penalized as plain decoding
+    would penalize that position (srt/decode/penalized_rows.py)."""
     for text in ("List the planets of the solar system:", "The quick brown fox " * 3):
         sampling = {**GREEDY, "max_new_tokens": 32, **penalty}
         ref, got = both(plain_server, vericache_server, text, sampling)
         assert got["output_ids"] == ref["output_ids"], (penalty, text)
+        stats = got["meta_info"]["vericache"]
+        assert stats["mode"] == "greedy" and stats["drafted"] > 0, stats
 
 
 def test_min_new_tokens_and_ignore_eos_match(plain_server, vericache_server) -> None:

@@ -1,12 +1,12 @@
 """Exact tokens and logprobs from a verify forward, for every row of a mixed step.
 
 A VeriCache step over a batch drafts the rows it can (greedy or sampled without logit
-processing: ``srt/decode/eligibility.py``) and verifies every row in one TARGET_VERIFY forward of width
-W. Rows it cannot draft (penalties, grammars, ``min_new_tokens``, ...) carry no drafts; the
-verify's first column gives them the full-KV logits at their next position, which is exactly the
-distribution a plain decode step would sample from. They take one token from SGLang's own sampler
-there, so penalties, logit bias, grammar masks and ``sampling_seed`` behave as without
-``--vericache``::
+processing: ``srt/decode/eligibility.py``) and verifies every row in one TARGET_VERIFY forward
+of width W. Rows it cannot draft (``min_new_tokens``, logit bias, sampled penalties, ...) carry
+no drafts; the verify's first column gives them the full-KV logits at their next position, which
+is exactly the distribution a plain decode step would sample from. They take one token from
+SGLang's own sampler there, so penalties, logit bias, grammar masks and ``sampling_seed`` behave
+as without ``--vericache``::
 
     verify logits  [bs * W, V]        row i, column j: the full-KV distribution after
                                       position base_i + j
