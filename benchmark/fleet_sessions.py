@@ -18,8 +18,8 @@ at once, greedy, through one gateway URL (started by ``python -m sglang_vericach
 
 At an ample per-replica budget (``--max-total-tokens`` holding every session's final prefix) and
 a tight one (``--holds-tight`` sessions' worth per replica). Then, at ``--kill-budget``, each of
-``--kill-configs`` again with replica 0 SIGKILLed once half the turns have answered: its
-sessions move to the others (the replay sends a failed turn again, as an agent would: up to 4
+``--kill-configs`` again with the busiest replica (the most turns answered) SIGKILLed once half
+the turns have answered: its sessions move to the others (the replay sends a failed turn again, as an agent would: up to 4
 times, 1, 2, 4 and 8 s later). Reported: per-turn TTFT and end-to-end latency (median, p90),
 output tok/s, prompt tokens recomputed, tokens the tier served, answers identical to (a)'s at
 the first budget, turns the gateway moved to another replica and how many found their prefix,
@@ -162,7 +162,7 @@ def run_fleet(cfg: FleetConfig, budget: int, sessions: list[dict], args: argpars
             say(f"  SGLang's client through the gateway: generated-shared-prefix, "
                 f"{args.gsp_turns} turns")
             result["gsp"] = serving_through(gateway.url, args, work)
-        alive = servers[1:] if kill else servers
+        alive = [s for s in servers if s.url != result.get("killed_url")]
         result["counters"] = [vericache_counters(s.url) for s in alive] if cfg.tier else []
         result["tier"] = tier.stats() if isinstance(tier, ServerProcess) else {}
         if killed is not None:
@@ -172,28 +172,36 @@ def run_fleet(cfg: FleetConfig, budget: int, sessions: list[dict], args: argpars
 
 def replay_through(url: str, servers: list[SGLangServer], sessions: list[dict],
                    args: argparse.Namespace, kill: bool) -> tuple[dict, float | None]:  # fmt: skip
-    """The replay (in this process, so the kill follows its progress); with ``kill``, replica
-    0's process group is SIGKILLed once half the turns have answered. (result, kill time in
-    the replay's clock, or None)."""
+    """The replay (in this process, so the kill follows its progress); with ``kill``, the
+    replica that answered the most turns so far (the gateway's choice: where the sessions'
+    prefixes are) is SIGKILLed, its process group, once half the turns have answered.
+    (result, with ``killed_url`` after a kill; the kill's time in the replay's clock, or None)"""
     total = sum(len(s["turns"]) for s in sessions)
-    done, lock, killed = 0, threading.Lock(), None
+    done, lock, killed, victim = 0, threading.Lock(), None, None
+    answered: dict[str, int] = {}  # worker URL -> turns it answered
     epoch = time.perf_counter()
 
     def on_turn(row: dict) -> None:
-        nonlocal done, killed
+        nonlocal done, killed, victim
         with lock:
             done += 1
+            if row.get("worker"):
+                answered[row["worker"]] = answered.get(row["worker"], 0) + 1
             if kill and killed is None and done >= total // 2:
-                assert servers[0].proc is not None
-                os.killpg(os.getpgid(servers[0].proc.pid), signal.SIGKILL)
+                victim = max(servers, key=lambda s: answered.get(s.url, 0))
+                assert victim.proc is not None
+                os.killpg(os.getpgid(victim.proc.pid), signal.SIGKILL)
                 killed = round(time.perf_counter() - epoch, 3)
-                say(f"  replica 0 killed at {killed:.1f} s ({done}/{total} turns done)")
+                say(f"  {victim.url} killed at {killed:.1f} s ({done}/{total} turns done; "
+                    f"turns answered per replica: {answered})")
 
     options = build_parser().parse_args([
         "--url", url, "--model", MODEL_NAME, "--max-tokens", str(args.max_tokens),
         "--concurrency", str(len(sessions)), "--think-s", str(args.think_s), "--timeout", "3600",
         "--retries", "4", "--retry-wait-s", "1", "--ignore-eos"])  # fmt: skip
     result = replay(options, sessions, on_turn, epoch)
+    if victim is not None:
+        result["killed_url"] = victim.url
     return result, killed
 
 
@@ -226,7 +234,7 @@ def run_one(name: str, cfg: FleetConfig, budget_name: str, budget: int, sessions
             args: argparse.Namespace, work: Path, kill: bool = False) -> dict:  # fmt: skip
     slug = f"{budget_name}-{name}" + ("-kill" if kill else "")
     say(f"{cfg.label}, {budget_name} budget ({budget} tokens per replica)"
-        + (", replica 0 killed midway" if kill else ""))
+        + (", the busiest replica killed midway" if kill else ""))
     if cfg.tier == "lmcache" and importlib.util.find_spec("lmcache") is None:
         return {"skipped": "lmcache is not importable here: bash scripts/lmcache_venv.sh builds "
                            ".venv-lmcache; run this benchmark with its python"}  # fmt: skip
