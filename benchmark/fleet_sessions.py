@@ -19,8 +19,8 @@ at once, greedy, through one gateway URL (started by ``python -m sglang_vericach
 At an ample per-replica budget (``--max-total-tokens`` holding every session's final prefix) and
 a tight one (``--holds-tight`` sessions' worth per replica). Then, at ``--kill-budget``, each of
 ``--kill-configs`` again with the busiest replica (the most turns answered) SIGKILLed once half
-the turns have answered: its sessions move to the others (the replay sends a failed turn again, as an agent would: up to 4
-times, 1, 2, 4 and 8 s later). Reported: per-turn TTFT and end-to-end latency (median, p90),
+the turns have answered: its sessions move to the others (the replay sends a failed turn again,
+as an agent would: up to 4 times, 1, 2, 4 and 8 s later). Reported: per-turn TTFT and end-to-end latency (median, p90),
 output tok/s, prompt tokens recomputed, tokens the tier served, answers identical to (a)'s at
 the first budget, turns the gateway moved to another replica and how many found their prefix,
 and after the kill the latency of each session's first turn answered after it
