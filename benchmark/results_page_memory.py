@@ -26,11 +26,10 @@ BUDGET_RUNS = {
 }
 # The step profiles that describe the current code, many rows first, then batch 1.
 STEP_PROFILES = [
-    "step_profile_verify_kernel.json", "step_profile_7k_draft_rows.json",
+    "step_profile_lookup.json", "step_profile_verify_kernel.json",
     "step_profile_16_batched_drafts.json", "step_profile_4k_fp16_drafts.json",
-    "step_profile_8_kivi_packed.json", "step_profile_placement_b4.json",
-    "step_profile_b1_kivi_s27.json", "step_profile_b1_snapkv_paired.json",
-    "step_profile_b1_snapkv_d7.json", "step_profile_b1_kivi_pages.json",
+    "step_profile_8_kivi_packed.json", "step_profile_b1_kivi_s27.json",
+    "step_profile_b1_snapkv_paired.json",
 ]  # fmt: skip
 SOURCE_PROFILE = "source_profile_verify_kernel.json"
 
@@ -145,6 +144,8 @@ def step_profile_command(settings: dict[str, Any], name: str) -> str:
              f"--compressor {s['compressor']}", f"--draft-len {s['draft_len']}"]  # fmt: skip
     if s.get("placements") and s["placements"] != ["auto"]:
         parts.append("--placements " + " ".join(s["placements"]))
+    if s.get("proposer", "auto") != "auto":
+        parts.append(f"--proposer {s['proposer']}")
     parts.append(f"--seed {s['seed']}")
     if (s.get("rounds") or 1) > 1:
         parts.append(f"--rounds {s['rounds']}")
@@ -174,13 +175,24 @@ def step_profile_rows(res: Results, name: str) -> list[Row]:
                 vs_off += f" ({median(by_round):.2f})"
             label = s["compressor"] + f", {s['draft_len']}" + key.removeprefix("vericache")
             per_verify = (f"{prof['drafts_per_verify']} / {prof['committed_per_verify']}"
-                          if prof else "-")
+                          + lookup_share(prof.get("proposers") or {}) if prof else "-")
             rows.append(res.row(name, [
                 f"{run['concurrency']} x {s['prompt_tokens']}, {s['max_new_tokens']} new", label,
                 f"{plain['decode_tok_s']} / {off['decode_tok_s']} / {vc['decode_tok_s']}",
                 fx(vc["decode_vs_plain"]), vs_off, drafted, per_verify,
                 prof.get("draft_ms_per_forward") or "-", vc.get("identical", "-")], command))
     return rows
+
+
+def lookup_share(proposers: dict[str, dict[str, int]]) -> str:
+    """"; lookup: 12 of 40 verifies, 55% accepted" where prompt-lookup drafts ran ('' else)."""
+    lookup = proposers.get("lookup")
+    if not lookup:
+        return ""
+    total = sum(p["verifies"] for p in proposers.values())
+    accepted = f", {100 * lookup['accepted'] / lookup['drafted']:.0f}% accepted" \
+        if lookup["drafted"] else ""  # fmt: skip
+    return f"; lookup: {lookup['verifies']} of {total} verifies{accepted}"
 
 
 STEP_TEXT = """
@@ -196,6 +208,10 @@ verified row, and a draft forward's time. Prompts are cut to at most the stated 
 
 STEP_LIMITS = """
 Limits, plainly:
+- The first row (`--vericache-proposer auto`, same prompts as the second) took prompt-lookup drafts
+  in 48 of 60 steps: they cost no forward, and 61% of their tokens were accepted (83% of the
+  compressed KV's). Its plain run shared the machine with a test run, so its "vs plain" is
+  high; its offload-only ratios come from runs of their own and from paired rounds.
 - Drafting pays where many rows attend over long contexts. At batch 1 a width-8 verify costs 1.9x
   a plain step on this CPU, so drafting could buy at most ~8%: the planner decodes plainly (parity
   with offload-only, less 1-2% of a 256-token decode for measuring and exploring).
@@ -255,11 +271,9 @@ queries of a head group. Milliseconds per layer (draft), per row and layer (veri
 """
 
 KERNEL_LIMITS = """
-Limits, plainly: packed KIVI reads are 5-17x faster than dequantizing first but 1.3-1.5x slower
-than a float32 view of the same length; pages cost 3-18% over tensors of their own. The verify
-kernel differs from SDPA by float32 rounding, as SDPA's own calls differ from each other; the
-verify commits by its own logits, so exactness is tested end to end. OpenMP threads spin briefly
-between parallel regions (`GOMP_SPINCOUNT=1000`): no collapse when processes share the cores.
+Limits, plainly: packed KIVI reads are 5-17x faster than dequantizing first, 1.3-1.5x slower than a
+float32 view; pages cost 3-18% over tensors. The verify kernel differs from SDPA by float32
+rounding (exactness is tested end to end); OpenMP threads spin briefly (`GOMP_SPINCOUNT=1000`).
 """
 
 
@@ -267,8 +281,7 @@ def cpu_kernels(res: Results) -> list[str]:
     lines = prose(KERNEL_TEXT) + [""]
     draft = res.load("draft_attention.json") or []
     command = "python benchmark/draft_attention.py --bits 2 4 8 --repeats 9"
-    widest = max(((r["batch"], r["tokens"]) for r in draft), default=None)
-    shown = [r for r in draft if r["bits"] == 4 or (r["batch"], r["tokens"]) == widest]
+    shown = [r for r in draft if r["bits"] == 4]  # other widths: draft_attention.md
     rows = [res.row("draft_attention.json", [
         f"{r['batch']} x {r['tokens']}", r["bits"], r["ms_per_layer"]["packed"],
         r["ms_per_layer"].get("pool_pages", "-"), r["ms_per_layer"]["dequantized"],

@@ -232,13 +232,10 @@ removed: serving never produced its page layout.
 """
 
 GPU_LIMITS = """
-Limits, plainly: nothing serving runs today has run on a GPU. The Triton draft decode over the
-pool's KIVI pages (`ops/pool_kivi_decode.py`), FlashInfer's paged decode over draft rows
-(`ops/dropped_decode.py`) and the side-stream staging of offloaded full KV (`srt/kv/full_kv_stage.py`)
-are tested against torch references on CPU (Triton's interpreter) and in `test/kernels` (`gpu`
-marker), and checked against their references at server start. The measured kernel reached 36% of
-copy bandwidth (target 60%); its overlap check was not valid (the copies finished before the steps
-ran). What it taught: `kernels/README.md`.
+Limits, plainly: nothing serving runs today has run on a GPU; its GPU paths
+(`ops/pool_kivi_decode.py`, `ops/dropped_decode.py`, `srt/kv/full_kv_stage.py`) are checked
+against torch references on CPU, in `test/kernels` and at server start. The measured kernel reached 36% of copy bandwidth (target
+60%); its overlap check was not valid (the copies finished first). Lessons: `kernels/README.md`.
 """
 
 
