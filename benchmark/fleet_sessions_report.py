@@ -165,7 +165,8 @@ def summarize(runs: dict[str, dict[str, dict]], labels: dict[str, str], budgets:
             "think_s": args.think_s, "replicas": args.replicas, "system_tokens": args.system_tokens,
             "holds_tight": args.holds_tight, "bandwidth_mb_s": args.bandwidth_mbps,
             "compressor": args.compressor, "budgets": budgets, "labels": labels,
-            "phases": phases}  # fmt: skip
+            "gsp_prompts": args.gsp_prompts, "gsp_turns": args.gsp_turns,
+            "gsp_input_len": args.gsp_input_len, "phases": phases}  # fmt: skip
 
 
 def median_p90(q: dict | None, fmt: str = ".2f") -> str:

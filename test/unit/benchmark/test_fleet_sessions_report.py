@@ -31,7 +31,8 @@ def run(rows: list[dict], wall: float = 10.0, **extra: object) -> dict:
 
 ARGS = argparse.Namespace(sessions=2, turns=2, max_tokens=8, think_s=1.0, replicas=2,
                           system_tokens=1000, holds_tight=2, bandwidth_mbps=100.0,
-                          compressor="snapkv:ratio=0.25")  # fmt: skip
+                          compressor="snapkv:ratio=0.25", gsp_prompts=8, gsp_turns=3,
+                          gsp_input_len=1536)  # fmt: skip
 
 
 def test_next_answer_is_the_whole_turn_that_ends_after_the_kill() -> None:
