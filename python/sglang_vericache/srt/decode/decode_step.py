@@ -24,8 +24,9 @@ thread.
     run           prepare: compressed views in step, pressure offload, draft-or-plain plan
     _plain_step   one token per row from SGLang's own decode forward and sampler (compressed KV
                   is left behind: nothing drafts from it until drafting resumes)
-    _verify_step  compressed KV caught up, _draft (x forwards over the compressed views), one
-                  full-KV verify, accept
+    _verify_step  compressed KV caught up, _draft (x forwards over the compressed views; or
+                  the rows' prompt-lookup drafts, no forward), one full-KV verify (penalized
+                  rows penalized per column: penalized_rows.py), accept
     _commit       per drafted row: compressed KV append, stats, placement
 """
 
