@@ -31,11 +31,18 @@ GRAMMAR_COMMAND = ("python -m sglang_vericache.exactness "
 
 def exactness(res: Results) -> list[str]:
     sweep = res.load("exactness/sweep.json") or []
-    rows = [res.row("exactness/sweep.json", [
-        f"`{r['compressor']}`", r["concurrency"], f"{r['identical']}/{r['total']}",
-        r["candidate_s"], r["reference_s"], r["commit"]],
-        f"python benchmark/exactness_sweep.py --concurrency {r['concurrency']} "
-        f"--compressors {r['compressor']}") for r in sweep]  # fmt: skip
+    by_compressor: dict[str, list[dict]] = {}
+    for r in sorted(sweep, key=lambda r: r["concurrency"]):
+        by_compressor.setdefault(r["compressor"], []).append(r)
+    rows = []
+    for compressor, runs in by_compressor.items():  # one row: each concurrency's figures
+        each = lambda f: " / ".join(str(f(r)) for r in runs)  # noqa: E731
+        rows.append(res.row("exactness/sweep.json", [
+            f"`{compressor}`", each(lambda r: r["concurrency"]),
+            each(lambda r: f"{r['identical']}/{r['total']}"), each(lambda r: r["candidate_s"]),
+            each(lambda r: r["reference_s"]), each(lambda r: r["commit"])],
+            f"python benchmark/exactness_sweep.py --concurrency "
+            f"{' '.join(str(r['concurrency']) for r in runs)} --compressors {compressor}"))
     lines = prose(EXACT_TEXT) + [""]
     lines += table(["compressor", "concurrency", "identical", "VeriCache s", "plain s", "commit"],
                    rows) + ["", "Other greedy workloads:", ""]  # fmt: skip
