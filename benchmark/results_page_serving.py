@@ -17,9 +17,8 @@ COMMAND = "python benchmark/serving_grid.py"
 SERVERS = ("plain", "offload-only", "vericache")
 
 TEXT = """
-`python -m sglang.benchmark.serving` (SGLang's client, its own metrics) against plain SGLang,
-offload-only and `--vericache`: input length x concurrency, random ids, the real-text prompts and
-3-turn shared prefixes, at an ample and a tight budget, servers taking turns in paired rounds.
+`python -m sglang.benchmark.serving` against plain SGLang, offload-only and `--vericache` (`auto`),
+the cells run so far; at 64 new tokens a request's time is mostly prefill (TTFT about half of it).
 """
 
 HEAD = ["budget", "dataset", "VeriCache / better baseline, output tok/s (input: by concurrency)",
