@@ -34,19 +34,15 @@ class PenaltyParams:
     presence: float = 0.0
     repetition: float = 1.0
 
-    @property
-    def any(self) -> bool:
-        return bool(self.frequency or self.presence or self.repetition != 1.0)
-
 
 class PenaltyMirror:
     """A copy of one row's penalizer state (module doc): ``learn`` mutates, ``additive`` /
     ``scaling`` read. ``learned`` counts the feed stream's tokens it holds."""
 
-    __slots__ = ("params", "vocab", "learned", "_freq", "_pres", "_rep")
+    __slots__ = ("params", "vocab", "device", "learned", "_freq", "_pres", "_rep")
 
     def __init__(self, params: PenaltyParams, vocab: int, device: torch.device | str = "cpu"):
-        self.params, self.vocab, self.learned = params, vocab, 0
+        self.params, self.vocab, self.device, self.learned = params, vocab, device, 0
         zeros = lambda: torch.zeros(vocab, dtype=torch.float32, device=device)  # noqa: E731
         self._freq = zeros() if params.frequency else None  # None: all zeros, never changes
         self._pres = zeros() if params.presence else None
@@ -67,14 +63,15 @@ class PenaltyMirror:
 
     def copy(self) -> PenaltyMirror:
         other = PenaltyMirror.__new__(PenaltyMirror)
-        other.params, other.vocab, other.learned = self.params, self.vocab, self.learned
+        other.params, other.vocab, other.device = self.params, self.vocab, self.device
+        other.learned = self.learned
         other._freq, other._pres, other._rep = (None if x is None else x.clone()
                                                 for x in (self._freq, self._pres, self._rep))
         return other
 
     def additive(self) -> torch.Tensor:
         """[V] float32: what SGLang's ``acc_additive_penalties`` row holds for this state."""
-        acc = torch.zeros(self.vocab, dtype=torch.float32, device=self._device())
+        acc = torch.zeros(self.vocab, dtype=torch.float32, device=self.device)
         for state in (self._freq, self._pres):
             if state is not None:
                 acc.sub_(state)
@@ -83,12 +80,6 @@ class PenaltyMirror:
     def scaling(self) -> torch.Tensor | None:
         """[V] float32: SGLang's ``acc_scaling_penalties`` row (None: no repetition penalty)."""
         return None if self._rep is None else self._rep.clone()
-
-    def _device(self) -> torch.device:
-        for x in (self._freq, self._pres, self._rep):
-            if x is not None:
-                return x.device
-        return torch.device("cpu")
 
     def check_integrity(self) -> None:
         assert self.learned >= 0

@@ -130,10 +130,8 @@ class DecodeStep:
         moved = relieve_pressure(batch, self.states, self.offloader(),
                                  self.speculative_num_draft_tokens)  # fmt: skip
         lookup = self._lookup_drafts(batch, step)
-        # lookup drafts carry no q and no grammar mask: a step of greedy drafted rows only
-        whole = not (step.plain or step.sampled or step.grammar)
         priced = {i: (len(d), self.book.lookups[batch.reqs[i].rid].alpha)
-                  for i, d in lookup.items()} if whole else {}  # fmt: skip
+                  for i, d in lookup.items()} if step.all_greedy else {}  # fmt: skip
         plan = self.draft_length.plan(step_rows(batch, self.states, step.drafted, priced),
                                       joining_contexts(batch, step.drafted, self.offloader()))
         if plan.reason == PLAIN_FASTER:
@@ -285,9 +283,8 @@ class DecodeStep:
         # the verify's host-resident full KV goes to the device while the batch drafts (a GPU)
         stager = self.stager()
         self.clock.note_transient(stager.stage(pool_rows))
-        # Drafts made while fetching are greedy, unmasked and carry no q: all-greedy steps only.
-        ahead = None if plain_rows or step.sampled or step.grammar else batch_proposals(
-            self.ahead(), batch.reqs, width - 1, self.book.ahead_used, self.device)
+        ahead = batch_proposals(self.ahead(), batch.reqs, width - 1, self.book.ahead_used,
+                                self.device) if step.all_greedy else None  # fmt: skip
         proposer = Proposer.COMPRESSED
         if ahead is not None:  # every request was drafted while its prefix was fetched
             width, proposer = 1 + ahead.shape[1], Proposer.AHEAD

@@ -157,6 +157,12 @@ class StepRows:
             penalized=[i for i, m in enumerate(modes) if m.drafted and penalized(reqs[i])],
         )  # fmt: skip
 
+    @property
+    def all_greedy(self) -> bool:
+        """Every row drafted and greedy without a grammar: drafts proposed elsewhere (no q, no
+        mask: prompt lookup, drafting while a prefix is fetched) serve such a step only."""
+        return not (self.plain or self.sampled or self.grammar)
+
     def without(self, rows: set[int]) -> StepRows:
         """The same step with ``rows`` decoded plainly (their compressed KV was dropped)."""
         if not rows:
