@@ -66,6 +66,7 @@ from replay_agentic import build_parser, replay  # noqa: E402
 
 from sglang_vericache.exactness.server import SGLangServer  # noqa: E402
 from benchmark import serving_grid_plan as plan  # noqa: E402
+from benchmark.serving_grid import harness_run  # noqa: E402
 from sglang_vericache.fleet.plan import LMCACHE_CHUNK_TOKENS  # noqa: E402
 from testkit.tier_server import ServerProcess  # noqa: E402
 
@@ -213,21 +214,12 @@ def serving_through(url: str, args: argparse.Namespace, work: Path) -> dict:
     cell = plan.Cell("fleet", args.gsp_input_len, "generated-shared-prefix", args.gsp_prompts)
     shape = plan.gsp_shape(args.gsp_input_len, args.max_tokens, args.gsp_prompts, args.gsp_turns,
                            GSP_QUESTION_TOKENS)  # fmt: skip
-    out, log = work / "gsp.jsonl", work / "gsp.log"
+    out = work / "gsp.jsonl"
     cmd = plan.harness_command(sys.executable, cell, url, str(args.model),
                                num_prompts=args.gsp_prompts, output_len=args.max_tokens, seed=1,
                                output_file=out, custom_path=None, gsp=shape,
                                served_model_name=MODEL_NAME)  # fmt: skip
-    with open(log, "wb") as f:
-        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=work, timeout=3600,
-                            check=False).returncode  # fmt: skip
-    try:
-        if rc != 0:
-            raise ValueError(f"exit status {rc}")
-        metrics, texts = plan.parse_harness_file(out)
-    except (OSError, ValueError) as e:
-        return {"error": f"{e}; log tail: {log.read_bytes()[-1500:].decode(errors='replace')}"}
-    return {"command": "python " + " ".join(cmd[1:]), "metrics": metrics, "texts": texts}
+    return harness_run(cmd, out, work / "gsp.log", timeout=3600)
 
 
 def run_one(name: str, cfg: FleetConfig, budget_name: str, budget: int, sessions: list[dict],

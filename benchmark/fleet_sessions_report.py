@@ -28,6 +28,14 @@ def _key(row: dict) -> tuple[str, int]:
     return row["session_id"], row["turn"]
 
 
+def by_session(rows: list[dict]) -> dict[str, list[dict]]:
+    """Replay rows grouped by session, each session's in the rows' order."""
+    out: dict[str, list[dict]] = {}
+    for r in rows:
+        out.setdefault(r["session_id"], []).append(r)
+    return out
+
+
 def next_answers(rows: list[dict], kill_s: float) -> list[float | None]:
     """Per session, the end-to-end latency of its first turn answered after the kill (the turn
     in flight then, retried where it failed, or the next one sent); None where the session got
@@ -40,11 +48,8 @@ def next_answers(rows: list[dict], kill_s: float) -> list[float | None]:
     session's turn had run when the kill came, which is how spread the sessions' turns are,
     not what the failover costs.
     """
-    by_session: dict[str, list[dict]] = {}
-    for r in rows:
-        by_session.setdefault(r["session_id"], []).append(r)
     waits: list[float | None] = []
-    for srows in by_session.values():
+    for srows in by_session(rows).values():
         for r in sorted(srows, key=lambda r: r["start_s"]):
             if "error" in r:
                 waits.append(None)
@@ -67,11 +72,8 @@ def moved_turns(rows: list[dict]) -> dict[str, Any]:
         turn k-1 on replica A: [system | history_k-1]              prompt_tokens(k-1)
         turn k   on replica B: [system | history_k-1 | answer | tool]  cached >= 0.9 x that
     """
-    by_session: dict[str, list[dict]] = {}
-    for r in rows:
-        by_session.setdefault(r["session_id"], []).append(r)
     moved, found = 0, 0
-    for srows in by_session.values():
+    for srows in by_session(rows).values():
         srows = sorted(srows, key=lambda r: r["turn"])
         for prev, r in zip(srows, srows[1:]):
             if "error" in r or "error" in prev or not (prev.get("worker") and r.get("worker")):

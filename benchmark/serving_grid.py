@@ -131,9 +131,8 @@ def custom_datasets(model: Path, args: argparse.Namespace, work: Path) -> dict[i
 
 def run_harness(cell: plan.Cell, url: str, model: Path, args: argparse.Namespace, work: Path,
                 stem: str, custom: dict[int, Path]) -> dict[str, Any]:  # fmt: skip
-    """One harness run; its metrics and texts, or an error with the log's tail."""
+    """One harness run of ``cell``; its metrics and texts, or an error with the log's tail."""
     out_file = work / f"{stem}.jsonl"
-    out_file.unlink(missing_ok=True)
     gsp = None
     if cell.dataset == "generated-shared-prefix":
         gsp = plan.gsp_shape(cell.input_len, args.output_len, args.num_prompts, args.gsp_turns,
@@ -141,12 +140,19 @@ def run_harness(cell: plan.Cell, url: str, model: Path, args: argparse.Namespace
     cmd = plan.harness_command(sys.executable, cell, url, str(model), num_prompts=args.num_prompts,
                                output_len=args.output_len, seed=args.seed, output_file=out_file,
                                custom_path=custom.get(cell.input_len), gsp=gsp)  # fmt: skip
-    log = work / f"{stem}.log"
+    return harness_run(cmd, out_file, work / f"{stem}.log", args.run_timeout)
+
+
+def harness_run(cmd: list[str], out_file: Path, log: Path, timeout: float) -> dict[str, Any]:
+    """Run one ``python -m sglang.benchmark.serving`` command line writing ``out_file`` (its
+    output to ``log``, in the log's folder): the command, seconds and log, and the harness's
+    metrics and texts, or the error with the log's tail."""
+    out_file.unlink(missing_ok=True)
     start = time.perf_counter()
     with open(log, "wb") as f:
         try:
-            done = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=work,
-                                  timeout=args.run_timeout, check=False)  # fmt: skip
+            done = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=log.parent,
+                                  timeout=timeout, check=False)  # fmt: skip
             rc: int | str = done.returncode
         except subprocess.TimeoutExpired:
             rc = "timeout"
