@@ -105,3 +105,24 @@ def test_what_the_kernel_refuses(kernel) -> None:
     assert not kernel.accepts(q, [keys[0].transpose(1, 2)], keys)  # strided channels
     with pytest.raises(RuntimeError, match="multiple of H_kv"):
         kernel(torch.randn(1, 4, 8, 64), keys, keys, 0.125)
+
+
+@pytest.mark.parametrize("items_per_thread", [1, 64])
+def test_live_queries_are_computed_as_in_a_full_call_and_the_rest_is_zero(
+        kernel, monkeypatch, items_per_thread: int) -> None:  # fmt: skip
+    """A row verifying fewer drafts than the batch's width: its live queries' output is bit for
+    bit the full call's (each query's computation is its own), the padding's is zero."""
+    monkeypatch.setattr(cpu_verify_decode, "ITEMS_PER_THREAD", items_per_thread)
+    gen = torch.Generator().manual_seed(5)
+    keys, values = _host_rows([900, 5, 130], 3, 64, 9, gen)
+    q = torch.randn(3, 5, 9, 64, generator=gen)
+    full = kernel(q, keys, values, 0.125)
+    live = [1, 5, 3]
+    got = kernel(q, keys, values, 0.125, live=live)
+    for b, k in enumerate(live):
+        assert torch.equal(got[b, :k], full[b, :k])
+        assert not got[b, k:].any()
+    with pytest.raises(RuntimeError, match="live counts"):
+        kernel(q, keys, values, 0.125, live=[0, 5, 3])
+    with pytest.raises(RuntimeError, match="one query count per row"):
+        kernel(q, keys, values, 0.125, live=[1, 2])

@@ -56,15 +56,19 @@ class CpuVerifyDecode:
                    for t in (*keys, *values))  # fmt: skip
 
     def __call__(self, q: Tensor, keys: Sequence[Tensor], values: Sequence[Tensor],
-                 scale: float) -> Tensor:  # fmt: skip
+                 scale: float, live: Sequence[int] | None = None) -> Tensor:  # fmt: skip
         """softmax(q K^T * scale + causal) V per row, grouped-query heads (H_q a multiple of
         H_kv). q: [B, n, H_q, D], row b's query i at position T_b - n + i seeing keys
-        0 .. T_b - n + i; keys[b], values[b]: [H_kv, T_b, D]. Returns [B, n, H_q, D]."""
+        0 .. T_b - n + i; keys[b], values[b]: [H_kv, T_b, D]. ``live``: per row, how many of its
+        first queries to compute (in [1, n]; a row verifying fewer drafts than the batch's
+        width pads the rest, whose output nobody reads): the others' output is zero; None:
+        all. Returns [B, n, H_q, D]."""
         q = q.contiguous()
         out = torch.empty_like(q)
         items = q.shape[0] * max(1, keys[0].shape[0]) if len(keys) else 1
         chunks = max(1, math.ceil(ITEMS_PER_THREAD * torch.get_num_threads() / items))
-        self.module.verify_decode(q, list(keys), list(values), out, float(scale), chunks)
+        self.module.verify_decode(q, list(keys), list(values), out, float(scale), chunks,
+                                  [] if live is None else [int(k) for k in live])  # fmt: skip
         return out
 
 

@@ -7,13 +7,20 @@ compares what each mode costs per step, not only its kernels. The fit is the ite
 model of ``benchmark/model.py`` (on CPU: 58 ms fixed + 9 ms per query token + ~11 us per KV
 token read), learned on the serving machine instead of assumed::
 
-    seconds(kind, shape) ~= w0[kind] + w1[kind] * shape.queries + w2[kind] * shape.kv_read
+    seconds(kind, shape) ~= w0 + w1 * shape.queries + w2 * shape.kv_read + w3 * shape.attended
 
+(w per kind), where ``attended`` counts query-key pairs: a verify's padding columns run through
+every linear layer (``queries`` counts them) but not through attention, which the CPU kernel
+skips for them (``ops/cpu_verify_decode.py``), and attention's cost there grows with the pairs,
+not only with the keys read. For a plain or draft forward (one query a row) ``attended`` is
+``kv_read``; the ridge splits that cost between the two, and predictions there are the same.
 one fit per kind, because the three forwards run different kernels (SGLang's decode, the
 compressed-view decode, the masked verify) whose constants differ by backend and device: the
 same code learns that host KV is a copy away on a CPU and a PCIe crossing on a GPU. Recursive
-least squares with a weak ridge prior and a forgetting factor follows drifting load (these
-machines are shared). No torch, no clock: the caller measures, this remembers.
+least squares with a forgetting factor follows drifting load (these machines are shared); its
+weak ridge prior is never forgotten, so a direction the samples do not vary (a batch that keeps
+its size for hours) stays bounded instead of winding up (``LinearCost``). No torch, no clock:
+the caller measures, this remembers.
 
 A fit is trusted only near what it has seen (``covers``): a few forwards of one shape cannot
 tell fixed from per-token from per-KV-token cost, so the fit a fresh server learns from its
@@ -35,7 +42,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
-FEATURES = 3  # 1, queries, kv_read
+FEATURES = 4  # 1, queries, kv_read, attended
 MEMORY_MAX = 4096  # recent samples remembered when nothing is forgotten (forgetting = 1)
 
 
@@ -50,15 +57,18 @@ class ForwardShape:
     """What a forward computes: ``rows`` requests, ``queries`` query tokens in all (rows * width
     for a verify), ``kv_read`` KV tokens attention reads, each row's counted once (a decode at
     context L reads L + 1; a verify of width W at base L reads L + W: its W queries share one
-    pass over the keys, which is what costs, on CPU and GPU alike)."""
+    pass over the keys), and ``attended`` query-key pairs attention computes (None: one query
+    a row, ``kv_read``; a verify row with ``k`` live queries: k * (L + W))."""
 
     rows: int
     queries: int
     kv_read: int
+    attended: int | None = None
 
     def __post_init__(self) -> None:
-        if not (self.rows >= 1 and self.queries >= self.rows and self.kv_read >= 0):
-            raise ValueError(f"need rows >= 1, queries >= rows, kv_read >= 0: {self}")
+        if not (self.rows >= 1 and self.queries >= self.rows and self.kv_read >= 0
+                and (self.attended is None or self.attended >= 0)):  # fmt: skip
+            raise ValueError(f"need rows >= 1, queries >= rows, kv_read, attended >= 0: {self}")
 
     @classmethod
     def plain(cls, contexts: Sequence[int]) -> ForwardShape:
@@ -72,13 +82,18 @@ class ForwardShape:
         return cls(len(views), len(views), sum(views) + len(views) * (step + 1))
 
     @classmethod
-    def verify(cls, contexts: Sequence[int], width: int) -> ForwardShape:
-        """A width-W verify: W queries per row sharing one pass over its context + W keys."""
+    def verify(cls, contexts: Sequence[int], width: int,
+               live: Sequence[int] | None = None) -> ForwardShape:  # fmt: skip
+        """A width-W verify: W queries per row sharing one pass over its context + W keys, of
+        which row i's first ``live[i]`` (1 + its drafts; None: all W) attend."""
         n = len(contexts)
-        return cls(n, n * width, sum(contexts) + n * width)
+        live = [width] * n if live is None else live
+        attended = sum(k * (c + width) for k, c in zip(live, contexts, strict=True))
+        return cls(n, n * width, sum(contexts) + n * width, attended)
 
-    def features(self) -> tuple[float, float, float]:
-        return 1.0, float(self.queries), float(self.kv_read)
+    def features(self) -> tuple[float, float, float, float]:
+        attended = self.kv_read if self.attended is None else self.attended
+        return 1.0, float(self.queries), float(self.kv_read), float(attended)
 
 
 def _memory(forgetting: float) -> int:
@@ -116,20 +131,29 @@ class CostFitConfig:
 
 
 class LinearCost:
-    """Recursive least squares over ``ForwardShape.features`` (3 coefficients).
+    """Exponentially weighted ridge regression over ``ForwardShape.features``.
 
-    Features are rescaled (queries / 1e2, kv_read / 1e5) so one ridge prior suits all three;
-    predictions are clamped at zero (a fit may go negative outside the data it has seen).
+    Kept as the information matrix and moment of the samples, each weighed down by
+    ``forgetting`` per later sample, plus the ridge prior, which is never forgotten::
+
+        R = prior * I + sum_i f^(n-i) x_i x_i^T      r = sum_i f^(n-i) y_i x_i      w = R^-1 r
+
+    Textbook recursive least squares forgets the prior too: along a direction the samples do not
+    vary (a batch of 8 rows for every step: the fixed and per-row costs cannot be told apart) its
+    covariance grows by 1 / f per sample, and at f = 0.98 it overflowed into NaN after ~35,000
+    steps, minutes of a GPU server at full load. Here R >= prior * I: such a direction keeps the
+    prior's split. Features are rescaled (queries / 1e2, kv_read / 1e5, attended / 1e6) so one
+    prior suits all; predictions are clamped at zero (a fit may go negative outside its data).
     """
 
-    _SCALE = (1.0, 1e-2, 1e-5)
+    _SCALE = (1.0, 1e-2, 1e-5, 1e-6)
 
     def __init__(self, config: CostFitConfig = CostFitConfig()) -> None:
         self.config = config
         self.samples = 0
-        # P = (X^T X + prior I)^-1, theta = P X^T y, kept incrementally
-        self._p = [[1.0 / config.prior if i == j else 0.0 for j in range(FEATURES)]
-                   for i in range(FEATURES)]  # fmt: skip
+        self._info = [[config.prior if i == j else 0.0 for j in range(FEATURES)]
+                      for i in range(FEATURES)]  # fmt: skip
+        self._moment = [0.0] * FEATURES
         self._theta = [0.0] * FEATURES
         # (rows, kv_read) of the samples the forgetting factor still weighs (down to ~1/e)
         self._recent: deque[tuple[int, int]] = deque(maxlen=_memory(config.forgetting))
@@ -140,14 +164,13 @@ class LinearCost:
     def observe(self, shape: ForwardShape, seconds: float) -> None:
         if not seconds >= 0:
             raise ValueError(f"seconds must be >= 0, got {seconds}")
-        lam, x, p = self.config.forgetting, self._x(shape), self._p
-        px = [sum(p[i][j] * x[j] for j in range(FEATURES)) for i in range(FEATURES)]
-        denom = lam + sum(x[i] * px[i] for i in range(FEATURES))
-        gain = [v / denom for v in px]
-        err = seconds - sum(t * xi for t, xi in zip(self._theta, x))
-        self._theta = [t + g * err for t, g in zip(self._theta, gain)]
-        self._p = [[(p[i][j] - gain[i] * px[j]) / lam for j in range(FEATURES)]
-                   for i in range(FEATURES)]  # fmt: skip
+        f, prior, x = self.config.forgetting, self.config.prior, self._x(shape)
+        for i in range(FEATURES):
+            for j in range(FEATURES):
+                ridge = prior if i == j else 0.0
+                self._info[i][j] = f * (self._info[i][j] - ridge) + ridge + x[i] * x[j]
+            self._moment[i] = f * self._moment[i] + seconds * x[i]
+        self._theta = _solve(self._info, self._moment)
         self.samples += 1
         self._recent.append((shape.rows, shape.kv_read))
 
@@ -168,7 +191,27 @@ class LinearCost:
 
     def check_integrity(self) -> None:
         for i in range(FEATURES):
-            assert self._p[i][i] > 0, f"covariance lost positivity at {i}: {self._p[i][i]}"
+            assert self._info[i][i] >= self.config.prior * (1 - 1e-9), (i, self._info[i][i])
+            for j in range(i):
+                assert self._info[i][j] == self._info[j][i], (i, j)
+        assert all(math.isfinite(t) for t in self._theta), self._theta
+
+
+def _solve(a: list[list[float]], b: list[float]) -> list[float]:
+    """x with a x = b for a symmetric positive definite ``a`` (Cholesky; a few features)."""
+    n = len(b)
+    low = [[0.0] * n for _ in range(n)]
+    for i in range(n):
+        for j in range(i + 1):
+            s = a[i][j] - sum(low[i][k] * low[j][k] for k in range(j))
+            low[i][j] = math.sqrt(max(s, 1e-300)) if i == j else s / low[j][j]
+    y = [0.0] * n
+    for i in range(n):
+        y[i] = (b[i] - sum(low[i][k] * y[k] for k in range(i))) / low[i][i]
+    x = [0.0] * n
+    for i in reversed(range(n)):
+        x[i] = (y[i] - sum(low[k][i] * x[k] for k in range(i + 1, n))) / low[i][i]
+    return x
 
 
 class StepCostModel:

@@ -176,8 +176,8 @@ class StepPlanner:
             drafting += self.costs.predict(ForwardKind.DRAFT, draft_shape(rows, x - 1)) or 0.0
             if x < self.min_drafts:
                 continue
-            seconds = drafting + (self.costs.predict(ForwardKind.VERIFY, verify_shape(rows, x + 1))
-                                  or 0.0)  # fmt: skip
+            seconds = drafting + (self.costs.predict(ForwardKind.VERIFY,
+                                                     verify_shape(rows, x + 1)) or 0.0)
             committed = sum(expected_committed(r.alpha, min(x, max(0, r.remaining - 1)))
                             if r.drafts else 1.0 for r in rows)  # fmt: skip
             rate = committed / max(seconds, 1e-9)
@@ -193,7 +193,8 @@ class StepPlanner:
         longest = min(max((r.lookup for r in rows), default=0), self._cap(rows, self.max_drafts))
         best_x, best_rate = 0, 0.0
         for x in range(1, longest + 1):
-            seconds = self.costs.predict(ForwardKind.VERIFY, verify_shape(rows, x + 1)) or 0.0
+            shape = verify_shape(rows, x + 1, Proposer.LOOKUP)
+            seconds = self.costs.predict(ForwardKind.VERIFY, shape) or 0.0
             committed = sum(expected_committed(r.lookup_alpha,
                                                min(x, r.lookup, max(0, r.remaining - 1)))
                             for r in rows)  # fmt: skip
@@ -211,6 +212,13 @@ def draft_shape(rows: Sequence[PlannedRow], step: int) -> ForwardShape:
     return ForwardShape.draft([r.compressed if r.drafts else 0 for r in rows], step)
 
 
-def verify_shape(rows: Sequence[PlannedRow], width: int) -> ForwardShape:
-    """The shape of a verify of ``width`` over ``rows`` (what the worker observes)."""
-    return ForwardShape.verify([r.context for r in rows], width)
+def verify_shape(rows: Sequence[PlannedRow], width: int,
+                 proposer: Proposer = Proposer.COMPRESSED) -> ForwardShape:  # fmt: skip
+    """The shape of a verify of ``width`` over ``rows`` (what the worker observes): a row's
+    queries past its drafts pad the width and do not attend. Compressed drafts fill the width
+    of every row that drafts; a lookup draft is as long as the row's (``PlannedRow.lookup``)."""
+    if proposer is Proposer.LOOKUP:
+        live = [1 + min(width - 1, r.lookup) for r in rows]
+    else:
+        live = [width if r.drafts else 1 for r in rows]
+    return ForwardShape.verify([r.context for r in rows], width, live)

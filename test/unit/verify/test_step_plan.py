@@ -39,7 +39,8 @@ def shapes(n: int, seed: int = 0) -> list[ForwardShape]:
     for _ in range(n):
         rows = rng.randint(1, 16)
         width = rng.randint(1, 8)
-        out.append(ForwardShape(rows, rows * width, rows * rng.randint(16, 8000)))
+        read = rows * rng.randint(16, 8000)
+        out.append(ForwardShape(rows, rows * width, read, rng.randint(1, width) * read))
     return out
 
 
@@ -337,3 +338,38 @@ def test_lookup_draft_count_stays_within_the_longest_lookup_draft() -> None:
     mixed = with_lookup(rows[:2], 3, 0.99) + with_lookup(rows[2:], 0, 0.0)
     x, _ = planner.best_lookup(mixed)
     assert 1 <= x <= 3
+
+
+def test_a_batch_that_never_changes_size_keeps_a_finite_fit() -> None:
+    """Eight rows every step: fixed and per-row cost cannot be told apart. Forgetting the
+    prior along that direction wound the covariance up into NaN (at forgetting 0.9 within
+    ~7,000 samples; 0.98 within ~35,000); the kept prior holds it."""
+    fit = LinearCost(CostFitConfig(forgetting=0.9))
+    rng = random.Random(4)
+    for _ in range(10_000):
+        shape = ForwardShape(8, 8, rng.randint(40_000, 56_000))
+        fit.observe(shape, cpu_seconds(shape))
+    fit.check_integrity()
+    probe = ForwardShape(8, 8, 50_000)
+    assert fit.predict(probe) == pytest.approx(cpu_seconds(probe), rel=1e-3)
+
+
+def test_a_verify_prices_the_queries_that_attend() -> None:
+    """Padding columns (a row verifying fewer drafts than the width) run the linear layers,
+    not attention: a lookup verify attends 1 + each row's lookup draft, a compressed one the
+    whole width of every drafting row."""
+    rows = [PlannedRow(1000, 250, 0.9, 64, True, 3, 0.8), PlannedRow(2000, 500, 0.9, 64, True),
+            PlannedRow(3000, 0, 0.0, 64, False)]
+    lookup = verify_shape(rows, 5, Proposer.LOOKUP)
+    assert (lookup.queries, lookup.kv_read) == (15, 6015)
+    assert lookup.attended == 4 * 1005 + 1 * 2005 + 1 * 3005
+    compressed = verify_shape(rows, 5)
+    assert compressed.attended == 5 * 1005 + 5 * 2005 + 1 * 3005
+    coef = (0.05, 0.003, 5e-6, 3e-6)  # fixed, per query, per key read, per pair attended
+    fit = LinearCost(CostFitConfig(forgetting=1.0))
+    for shape in shapes(80, seed=5):
+        fit.observe(shape, sum(c * f for c, f in zip(coef, shape.features())))
+    for shape in (lookup, compressed):
+        truth = sum(c * f for c, f in zip(coef, shape.features()))
+        assert fit.predict(shape) == pytest.approx(truth, rel=0.02)
+    assert fit.predict(lookup) < fit.predict(compressed)

@@ -161,10 +161,11 @@ inline void block_values(const float* p, const float* vt, int64_t vs, int64_t nb
 }
 
 // Queries of item (b, h) are ordered q = i * G + j (query position i, head h * G + j).
-void attend_chunk(const RowKV& row, const float* q, int64_t h, int64_t n, int64_t G, int64_t D,
-                  int64_t Hq, int64_t c0, int64_t c1, float scale, std::vector<float>& s,
-                  Partial& part) {
-  const int64_t Q = G * n;
+// Only the first Q = G * live queries are computed (a row's padding past its drafts is not).
+void attend_chunk(const RowKV& row, const float* q, int64_t h, int64_t n, int64_t live, int64_t G,
+                  int64_t D, int64_t Hq, int64_t c0, int64_t c1, float scale,
+                  std::vector<float>& s, Partial& part) {
+  const int64_t Q = G * live;
   part.reset(Q, D);
   const float* kp = row.keys + h * row.key_head;
   const float* vp = row.values + h * row.value_head;
@@ -201,10 +202,12 @@ void attend_chunk(const RowKV& row, const float* q, int64_t h, int64_t n, int64_
 }  // namespace
 
 // q, out: [B, n, H_q, D] float32, contiguous; keys[b], values[b]: [H_kv, T_b, D] (T_b >= n);
-// chunks: most key chunks per (row, head) (1: none split).
+// chunks: most key chunks per (row, head) (1: none split); live: per row, its first live[b]
+// queries are computed and the rest of its out is zero (a row verifying fewer drafts than the
+// batch's width), or empty: all n.
 void verify_decode(const at::Tensor& q, const std::vector<at::Tensor>& keys,
                    const std::vector<at::Tensor>& values, at::Tensor& out, double scale,
-                   int64_t chunks) {
+                   int64_t chunks, const std::vector<int64_t>& live) {
   TORCH_CHECK(q.device().is_cpu() && q.scalar_type() == at::kFloat && q.dim() == 4 &&
                   q.is_contiguous(), "q: a contiguous float32 CPU tensor [B, n, H_q, D] is required");
   TORCH_CHECK(out.sizes() == q.sizes() && out.scalar_type() == at::kFloat && out.is_contiguous(),
@@ -213,6 +216,10 @@ void verify_decode(const at::Tensor& q, const std::vector<at::Tensor>& keys,
   TORCH_CHECK(static_cast<int64_t>(keys.size()) == B && static_cast<int64_t>(values.size()) == B,
               "one keys view and one values view per row of q");
   TORCH_CHECK(chunks >= 1, "chunks must be at least 1");
+  TORCH_CHECK(live.empty() || static_cast<int64_t>(live.size()) == B,
+              "live: one query count per row of q, or none");
+  for (const int64_t k : live) TORCH_CHECK(1 <= k && k <= n, "live counts must be in [1, n]");
+  const auto live_of = [&](int64_t b) { return live.empty() ? n : live[b]; };
   if (B == 0 || n == 0) return;
   const int64_t Hkv = keys[0].size(0);
   TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0, "H_q must be a multiple of H_kv");
@@ -247,15 +254,21 @@ void verify_decode(const at::Tensor& q, const std::vector<at::Tensor>& keys,
       const int64_t c = local % row_chunks[b], T = rows[b].T;
       const int64_t per = (T + row_chunks[b] - 1) / row_chunks[b];
       const int64_t c0 = std::min(T, c * per), c1 = std::min(T, c0 + per);
-      attend_chunk(rows[b], qp + b * n * Hq * D, h, n, G, D, Hq, c0, c1, s, scores, parts[item]);
+      attend_chunk(rows[b], qp + b * n * Hq * D, h, n, live_of(b), G, D, Hq, c0, c1, s, scores,
+                   parts[item]);
     }
   });
   float* op = out.data_ptr<float>();
   at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t b = bh / Hkv, h = bh % Hkv, k = row_chunks[b];
-      const int64_t first = first_item[b] + h * k;
+      const int64_t first = first_item[b] + h * k, Qb = G * live_of(b);
       for (int64_t qi = 0; qi < Q; ++qi) {
+        if (qi >= Qb) {  // past the row's live queries: zero, as documented
+          float* o = op + ((b * n + qi / G) * Hq + h * G + qi % G) * D;
+          std::fill(o, o + D, 0.f);
+          continue;
+        }
         float m = -INFINITY;
         for (int64_t c = 0; c < k; ++c) m = std::max(m, parts[first + c].m[qi]);
         float total = 0.f;

@@ -82,14 +82,18 @@ class QueryCapture:
 class VeriCacheAttnBackend(TorchNativeAttnBackend):
     """torch_native with compressed-view drafting and an O(D*L) verify (see module doc).
 
-    The worker sets ``draft`` / ``capture`` / ``clock`` around its forwards and clears them
-    after; with all None the backend behaves exactly like torch_native (plus the fast verify).
+    The worker sets ``draft`` / ``capture`` / ``clock`` / ``live_queries`` around its forwards
+    and clears them after; with all None the backend behaves exactly like torch_native (plus the
+    fast verify).
     """
 
     def __init__(self, model_runner) -> None:
         super().__init__(model_runner)
         self.draft: DraftPlan | None = None
         self.capture: QueryCapture | None = None
+        # per row of a verify, its queries that count (1 + its drafts; None: all): the rest pad
+        # the batch's width, and the verify kernel skips them
+        self.live_queries: list[int] | None = None
         self.clock: StepClock | None = None  # the worker's profile of the current decode step
         self.ledger = open_context(self.req_to_token_pool).ledger  # the first part built
         # a verify's causal masks, built at its first layer and shared by the others
@@ -155,7 +159,7 @@ class VeriCacheAttnBackend(TorchNativeAttnBackend):
         if self.clock is not None:  # gathered rows (not read in place) live until the call ends
             self.clock.note_transient(sum(2 * kk.numel() * kk.element_size()
                                           for kk in keys if _copied(kk)))  # fmt: skip
-        out = kernel(q4, keys, values, layer.scaling)
+        out = kernel(q4, keys, values, layer.scaling, live=self.live_queries)
         return out.view(-1, layer.tp_q_head_num * layer.v_head_dim)
 
     def _attend_new_tokens(self, q3, k, v, layer: RadixAttention, fb: ForwardBatch,

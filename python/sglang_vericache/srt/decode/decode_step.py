@@ -305,11 +305,13 @@ class DecodeStep:
         set_verify_inputs(batch, offloader.table, chain.rows, base)
         attn = self.attn()
         attn.capture = QueryCapture(width)
+        # a row's columns past its drafts only pad the width: their logits are never read
+        attn.live_queries = live = (chain.draft_lens + 1).tolist()
         stager.ready()
         try:
             out = self.target_worker.forward_batch_generation(batch, is_verify=True)
         finally:
-            capture, attn.capture = attn.capture, None
+            capture, attn.capture, attn.live_queries = attn.capture, None, None
             stager.release()
         chain.mask_verify(out.logits_output.next_token_logits)
         penalize_verify(out.logits_output.next_token_logits, chain.rows, chain.draft_lens,
@@ -332,7 +334,7 @@ class DecodeStep:
         # the catch-up of compressed KV behind after plain steps, the commit and the offloads,
         # which a drafted step pays once (the prepare phase before the choice, both modes pay)
         self.draft_length.observe_forward(
-            ForwardKind.VERIFY, verify_shape(batch, width),
+            ForwardKind.VERIFY, verify_shape(batch, width, live),
             time.perf_counter() - started - drafting_seconds)
         new_seq_lens = (base + accept_lens.cpu()).to(self.device)
         tokens = torch.zeros(bs, self.speculative_num_draft_tokens, dtype=torch.int64,

@@ -41,9 +41,10 @@ def plain_shape(batch: Any) -> ForwardShape:
     return ForwardShape.plain(batch.seq_lens_cpu.tolist())
 
 
-def verify_shape(batch: Any, width: int) -> ForwardShape:
-    """The batch's width-W verify over the full KV."""
-    return ForwardShape.verify(batch.seq_lens_cpu.tolist(), width)
+def verify_shape(batch: Any, width: int, live: Sequence[int]) -> ForwardShape:
+    """The batch's width-W verify over the full KV, row i's first ``live[i]`` queries attending
+    (1 + its drafts)."""
+    return ForwardShape.verify(batch.seq_lens_cpu.tolist(), width, live)
 
 
 def relieve_pressure(batch: Any, states: Mapping[str, Any], offloader: Any, width: int) -> int:
