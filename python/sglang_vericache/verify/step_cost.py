@@ -9,11 +9,12 @@ token read), learned on the serving machine instead of assumed::
 
     seconds(kind, shape) ~= w0 + w1 * shape.queries + w2 * shape.kv_read + w3 * shape.attended
 
-(w per kind), where ``attended`` counts query-key pairs: a verify's padding columns run through
-every linear layer (``queries`` counts them) but not through attention, which the CPU kernel
-skips for them (``ops/cpu_verify_decode.py``), and attention's cost there grows with the pairs,
-not only with the keys read. For a plain or draft forward (one query a row) ``attended`` is
-``kv_read``; the ridge splits that cost between the two, and predictions there are the same.
+(w per kind), where ``queries`` counts the tokens the forward runs (a verify row drafting less
+than the width runs only its 1 + drafts: ``srt/decode/batch_inputs.py``) and ``attended`` the
+query-key pairs attention computes, which grow with each query's context, not only with the
+keys read. For a plain or draft forward (one query a row) ``attended`` is ``kv_read``; the ridge
+splits that cost between the two, and predictions there are the same.
+
 one fit per kind, because the three forwards run different kernels (SGLang's decode, the
 compressed-view decode, the masked verify) whose constants differ by backend and device: the
 same code learns that host KV is a copy away on a CPU and a PCIe crossing on a GPU. Recursive
@@ -54,11 +55,12 @@ class ForwardKind(StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class ForwardShape:
-    """What a forward computes: ``rows`` requests, ``queries`` query tokens in all (rows * width
-    for a verify), ``kv_read`` KV tokens attention reads, each row's counted once (a decode at
-    context L reads L + 1; a verify of width W at base L reads L + W: its W queries share one
-    pass over the keys), and ``attended`` query-key pairs attention computes (None: one query
-    a row, ``kv_read``; a verify row with ``k`` live queries: k * (L + W))."""
+    """What a forward computes: ``rows`` requests, ``queries`` query tokens in all (a verify:
+    each row's live columns, 1 + its drafts), ``kv_read`` KV tokens attention reads, each row's
+    counted once (a decode at context L reads L + 1; a verify of width W at base L reads
+    L + W: its queries share one pass over the keys), and ``attended`` query-key pairs
+    attention computes (None: one query a row, ``kv_read``; a verify row with ``k`` live
+    queries: k * (L + W))."""
 
     rows: int
     queries: int
@@ -84,12 +86,12 @@ class ForwardShape:
     @classmethod
     def verify(cls, contexts: Sequence[int], width: int,
                live: Sequence[int] | None = None) -> ForwardShape:  # fmt: skip
-        """A width-W verify: W queries per row sharing one pass over its context + W keys, of
-        which row i's first ``live[i]`` (1 + its drafts; None: all W) attend."""
+        """A width-W verify: row i's ``live[i]`` queries (1 + its drafts; None: all W) sharing
+        one pass over its context + W keys."""
         n = len(contexts)
         live = [width] * n if live is None else live
         attended = sum(k * (c + width) for k, c in zip(live, contexts, strict=True))
-        return cls(n, n * width, sum(contexts) + n * width, attended)
+        return cls(n, sum(live), sum(contexts) + n * width, attended)
 
     def features(self) -> tuple[float, float, float, float]:
         attended = self.kv_read if self.attended is None else self.attended

@@ -355,15 +355,16 @@ def test_a_batch_that_never_changes_size_keeps_a_finite_fit() -> None:
 
 
 def test_a_verify_prices_the_queries_that_attend() -> None:
-    """Padding columns (a row verifying fewer drafts than the width) run the linear layers,
-    not attention: a lookup verify attends 1 + each row's lookup draft, a compressed one the
-    whole width of every drafting row."""
+    """A row verifying fewer drafts than the width runs (and attends) only its 1 + drafts
+    columns: a lookup verify 1 + each row's lookup draft, a compressed one the whole width of
+    every drafting row."""
     rows = [PlannedRow(1000, 250, 0.9, 64, True, 3, 0.8), PlannedRow(2000, 500, 0.9, 64, True),
             PlannedRow(3000, 0, 0.0, 64, False)]
     lookup = verify_shape(rows, 5, Proposer.LOOKUP)
-    assert (lookup.queries, lookup.kv_read) == (15, 6015)
+    assert (lookup.queries, lookup.kv_read) == (4 + 1 + 1, 6015)
     assert lookup.attended == 4 * 1005 + 1 * 2005 + 1 * 3005
     compressed = verify_shape(rows, 5)
+    assert compressed.queries == 5 + 5 + 1
     assert compressed.attended == 5 * 1005 + 5 * 2005 + 1 * 3005
     coef = (0.05, 0.003, 5e-6, 3e-6)  # fixed, per query, per key read, per pair attended
     fit = LinearCost(CostFitConfig(forgetting=1.0))

@@ -22,7 +22,9 @@ Three forward kinds reach it (``AttentionBackend.forward`` dispatches DECODE to
   queries per request over [0, base + D): O(D * L) (stock torch_native's extend would take 16 s
   for one verify at 8k). On a CPU with float32 KV every row of a layer attends in one call of
   the verify kernel (``ops/cpu_verify_decode.py``: 1.56x torch's SDPA loop at 8 rows x 6.3k),
-  reading each row's full KV where the ledger finds it.
+  reading each row's full KV where the ledger finds it. A row that drafts less than the
+  batch's width brings only its 1 + drafts queries (``live_queries``, set by the worker; the
+  forward's rows are then ragged: ``srt/decode/batch_inputs.py``), and only those attend.
 
 The full KV of a request is read through the offload ledger (``srt/kv/offload.py``): positions the
 worker moved to host memory come from there, the rest from the pool. Plain DECODE steps over a
@@ -45,6 +47,7 @@ from sglang_vericache.compress.attend import group_mask, grouped_sdpa
 from sglang_vericache.ops.cpu_verify_decode import CpuVerifyDecode, load_cpu_verify_decode
 from sglang_vericache.srt.attention.draft_attention import DraftPlan
 from sglang_vericache.srt.context import open_context
+from sglang_vericache.srt.decode.batch_inputs import live_index, spread_rows
 from sglang_vericache.verify.step_profile import StepClock
 
 if TYPE_CHECKING:
@@ -99,6 +102,8 @@ class VeriCacheAttnBackend(TorchNativeAttnBackend):
         # a verify's causal masks, built at its first layer and shared by the others
         self._verify_masks: tuple[ForwardBatch | None, dict[tuple[int, ...], torch.Tensor]] = (
             None, {})  # fmt: skip
+        # a ragged verify's kept columns (``batch_inputs.live_index``), likewise
+        self._verify_kept: tuple[ForwardBatch | None, torch.Tensor | None] = (None, None)
 
     def _write_kv(self, layer, fb, k, v, save_kv_cache: bool) -> None:
         if save_kv_cache and k is not None and v is not None:
@@ -124,10 +129,9 @@ class VeriCacheAttnBackend(TorchNativeAttnBackend):
     def forward_extend(self, q, k, v, layer: RadixAttention, fb: ForwardBatch, save_kv_cache=True):
         q3 = q.view(-1, layer.tp_q_head_num, layer.qk_head_dim)
         if fb.forward_mode.is_target_verify():
-            n_tok = fb.spec_info.draft_token_num  # seq_lens are the committed KV: drafts follow
-            new = [n_tok] * len(fb.seq_lens_cpu)
-            ends = [base + n_tok for base in fb.seq_lens_cpu.tolist()]
-            out = self._verify(q3, k, v, layer, fb, n_tok, ends, save_kv_cache)
+            width = fb.spec_info.draft_token_num  # seq_lens are the committed KV: drafts follow
+            new = self.live_queries or [width] * len(fb.seq_lens_cpu)
+            out = self._verify(q3, k, v, layer, fb, width, new, save_kv_cache)
         elif _extends_a_prefix(layer, fb):  # seq_lens include the extended tokens
             new = list(fb.extend_seq_lens_cpu)
             ends = fb.seq_lens_cpu.tolist()
@@ -139,28 +143,46 @@ class VeriCacheAttnBackend(TorchNativeAttnBackend):
             self.capture.record(layer.layer_id, q3, list(new))
         return out
 
-    def _verify(self, q3, k, v, layer: RadixAttention, fb: ForwardBatch, n: int,
-                ends: list[int], save_kv_cache: bool):  # fmt: skip
-        """Each row's ``n`` verify queries over its full KV [0, end): one kernel call for the
-        layer where the kernel takes it, else ``_attend_new_tokens``. q3: [B * n, H_q, D];
-        returns [B * n, H_q * D_v]."""
+    def _verify(self, q3, k, v, layer: RadixAttention, fb: ForwardBatch, width: int,
+                live: list[int], save_kv_cache: bool):  # fmt: skip
+        """Each row's ``live[i]`` verify queries (1 + its drafts, of the batch's ``width``) over
+        its full KV: one kernel call for the layer where the kernel takes it, else
+        ``_attend_new_tokens``. q3: [sum(live), H_q, D], the rows ragged where a row drafts
+        less than the width (``batch_inputs.set_verify_inputs``); returns
+        [sum(live), H_q * D_v]."""
+        bases = fb.seq_lens_cpu.tolist()
         kernel = self.verify_kernel
         if kernel is None or layer.qk_head_dim != layer.v_head_dim:
-            return self._attend_new_tokens(q3, k, v, layer, fb, [n] * len(ends), ends,
-                                           save_kv_cache, shared_masks=True)  # fmt: skip
+            return self._attend_new_tokens(q3, k, v, layer, fb, live,
+                                           [b + n for b, n in zip(bases, live)], save_kv_cache,
+                                           shared_masks=True)  # fmt: skip
         self._write_kv(layer, fb, k, v, save_kv_cache)
         rows = fb.req_pool_indices.tolist()
-        kv = [self._full_kv(layer.layer_id, row, end) for row, end in zip(rows, ends)]
+        # the kernel takes the width: a row's query i at base + i, and keys through base +
+        # width, of which its live queries see only those through their own positions
+        kv = [self._full_kv(layer.layer_id, row, b + width) for row, b in zip(rows, bases)]
         keys, values = [kv_k for kv_k, _ in kv], [kv_v for _, kv_v in kv]
-        q4 = q3.view(len(ends), n, layer.tp_q_head_num, layer.qk_head_dim)
+        kept = self._kept_columns(fb, live, width)
+        heads, dim = layer.tp_q_head_num, layer.qk_head_dim
+        q4 = (q3 if kept is None else spread_rows(q3, kept, len(bases) * width)).view(
+            len(bases), width, heads, dim)  # fmt: skip
         if not kernel.accepts(q4, keys, values):
-            return self._attend_new_tokens(q3, None, None, layer, fb, [n] * len(ends), ends,
-                                           False, shared_masks=True)  # fmt: skip
+            return self._attend_new_tokens(q3, None, None, layer, fb, live,
+                                           [b + n for b, n in zip(bases, live)], False,
+                                           shared_masks=True)  # fmt: skip
         if self.clock is not None:  # gathered rows (not read in place) live until the call ends
             self.clock.note_transient(sum(2 * kk.numel() * kk.element_size()
                                           for kk in keys if _copied(kk)))  # fmt: skip
-        out = kernel(q4, keys, values, layer.scaling, live=self.live_queries)
-        return out.view(-1, layer.tp_q_head_num * layer.v_head_dim)
+        out = kernel(q4, keys, values, layer.scaling, live=live).view(-1, heads * dim)
+        return out if kept is None else out[kept]
+
+    def _kept_columns(self, fb: ForwardBatch, live: list[int], width: int) -> torch.Tensor | None:
+        """``batch_inputs.live_index`` of verify ``fb``, built at its first layer."""
+        owner, kept = self._verify_kept
+        if owner is not fb:
+            kept = live_index(live, width, self.device)
+            self._verify_kept = (fb, kept)
+        return kept
 
     def _attend_new_tokens(self, q3, k, v, layer: RadixAttention, fb: ForwardBatch,
                            new: list[int], ends: list[int], save_kv_cache: bool,

@@ -36,20 +36,57 @@ def set_decode_inputs(batch, table: torch.Tensor, input_ids: torch.Tensor, base:
     batch.seq_lens_sum = int(seq.sum())
 
 
-def set_verify_inputs(batch, table: torch.Tensor, rows: torch.Tensor, base: torch.Tensor) -> None:
-    """rows [bs, width] int64 (last committed token, then the drafts) at positions base.."""
+def set_verify_inputs(batch, table: torch.Tensor, rows: torch.Tensor, base: torch.Tensor,
+                      kept: torch.Tensor | None = None) -> None:  # fmt: skip
+    """rows [bs, width] int64 (last committed token, then the drafts) at positions base..;
+    ``kept`` (``live_index``): the flat [bs * width] columns that go into the forward (each
+    row's 1 + drafts; None: all). A row's columns past its drafts would pad the width through
+    every layer for logits nobody reads, so the forward takes the rows ragged::
+
+        rows     [t0 a b c | t0 - - - | t0 x y -]     live 4, 1, 3 of width 4
+        forward  [t0 a b c   t0         t0 x y  ]     8 tokens, not 12
+    """
     device = table.device
     width = rows.shape[1]
     positions = base.to(device)[:, None] + torch.arange(width, device=device)[None, :]
+    tokens, positions = rows.flatten(), positions.flatten()
+    slots = table[batch.req_pool_indices[:, None], positions.view(-1, width)].flatten().long()
+    if kept is not None:
+        tokens, positions, slots = tokens[kept], positions[kept], slots[kept]
     batch.forward_mode = ForwardMode.TARGET_VERIFY
-    batch.input_ids = rows.flatten()
-    batch.out_cache_loc = table[batch.req_pool_indices[:, None], positions].flatten().long()
+    batch.input_ids = tokens
+    batch.out_cache_loc = slots
     batch.seq_lens, batch.seq_lens_cpu = base.to(device), base
     batch.seq_lens_sum = int(base.sum())
     batch.spec_info = NgramVerifyInput(
-        draft_token=rows.flatten(), positions=positions.flatten(), draft_token_num=width,
+        draft_token=tokens, positions=positions, draft_token_num=width,
         new_seq_lens=batch.seq_lens,
     )  # fmt: skip
+
+
+def live_index(live: list[int], width: int, device) -> torch.Tensor | None:
+    """The flat [bs * width] columns of rows with ``live[i]`` columns each (1 + drafts), as
+    an int64 index; None when every row fills the width."""
+    if all(n == width for n in live):
+        return None
+    return torch.tensor([i * width + j for i, n in enumerate(live) for j in range(n)],
+                        dtype=torch.int64, device=device)  # fmt: skip
+
+
+def spread_rows(ragged: torch.Tensor, kept: torch.Tensor, total: int) -> torch.Tensor:
+    """[len(kept), ...] -> [total, ...]: a ragged forward's per-token outputs at their columns
+    of the full width (``kept``), zeros at the padding, which no acceptance reads."""
+    out = ragged.new_zeros(total, *ragged.shape[1:])
+    out[kept] = ragged
+    return out
+
+
+def spread_verify_output(logits_output, kept: torch.Tensor, total: int) -> None:
+    """A ragged verify's logits (and hidden states, where captured) spread in place to the
+    [bs * width, ...] layout of a full-width verify (``spread_rows``)."""
+    logits_output.next_token_logits = spread_rows(logits_output.next_token_logits, kept, total)
+    if logits_output.hidden_states is not None:
+        logits_output.hidden_states = spread_rows(logits_output.hidden_states, kept, total)
 
 
 def last_tokens(batch, device: torch.device) -> torch.Tensor:

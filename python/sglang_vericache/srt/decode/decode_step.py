@@ -27,7 +27,8 @@ thread.
     _verify_step  compressed KV caught up, _draft (x forwards over the compressed views; or
                   the rows' prompt-lookup drafts, no forward), one full-KV verify (penalized
                   rows penalized per column: penalized_rows.py), accept
-    _commit       per drafted row: compressed KV append, stats, placement
+    _commit       per drafted row: compressed KV append (not after lookup drafts: caught up
+                  before the next compressed draft), stats, placement
 """
 
 from __future__ import annotations
@@ -45,10 +46,12 @@ from sglang_vericache.srt.attention.draft_attention import DraftPlan
 from sglang_vericache.srt.attention.draft_precision import DraftPrecision, drafting
 from sglang_vericache.srt.decode.batch_inputs import (
     last_tokens,
+    live_index,
     lookup_tensor,
     one_token_rows,
     set_decode_inputs,
     set_verify_inputs,
+    spread_verify_output,
 )
 from sglang_vericache.srt.decode.eligibility import StepRows, decode_mode
 from sglang_vericache.srt.decode.request_book import RequestBook
@@ -276,13 +279,6 @@ class DecodeStep:
         base = batch.seq_lens_cpu.clone()
         pool_rows = batch.req_pool_indices.tolist()
         offloader = self.offloader()
-        for i in drafted:  # plain steps left their compressed KV behind: level it first
-            state, length = self.states[batch.reqs[i].rid], int(base[i])
-            state.catch_up(offloader.range_reader(pool_rows[i], state.covered, length), length)
-        self._lap(Phase.COMMIT)
-        # the verify's host-resident full KV goes to the device while the batch drafts (a GPU)
-        stager = self.stager()
-        self.clock.note_transient(stager.stage(pool_rows))
         ahead = batch_proposals(self.ahead(), batch.reqs, width - 1, self.book.ahead_used,
                                 self.device) if step.all_greedy else None  # fmt: skip
         proposer = Proposer.COMPRESSED
@@ -290,6 +286,16 @@ class DecodeStep:
             width, proposer = 1 + ahead.shape[1], Proposer.AHEAD
         elif lookup is not None:
             proposer = Proposer.LOOKUP
+        if proposer is not Proposer.LOOKUP:
+            # plain and lookup steps left the compressed KV behind: level it first
+            for i in drafted:
+                state, length = self.states[batch.reqs[i].rid], int(base[i])
+                state.catch_up(offloader.range_reader(pool_rows[i], state.covered, length),
+                               length)  # fmt: skip
+        self._lap(Phase.COMMIT)
+        # the verify's host-resident full KV goes to the device while the batch drafts (a GPU)
+        stager = self.stager()
+        self.clock.note_transient(stager.stage(pool_rows))
         chain = DraftChain.start(last_tokens(batch, self.device), width, drafted,
                                  reqs=batch.reqs, sampling_info=batch.sampling_info,
                                  sampled_rows=step.sampled, grammar_rows=step.grammar,
@@ -302,17 +308,23 @@ class DecodeStep:
             drafting_seconds = self._draft(batch, base, chain, drafted)
         self._lap(Phase.DRAFT)
 
-        set_verify_inputs(batch, offloader.table, chain.rows, base)
+        # a row's columns past its drafts would only pad the width: the forward leaves them out
+        live = (chain.draft_lens + 1).tolist()
+        kept = live_index(live, width, self.device)
+        set_verify_inputs(batch, offloader.table, chain.rows, base, kept)
         attn = self.attn()
-        attn.capture = QueryCapture(width)
-        # a row's columns past its drafts only pad the width: their logits are never read
-        attn.live_queries = live = (chain.draft_lens + 1).tolist()
+        # the compressed KV's scorers read the queries of what commits (not after lookup drafts,
+        # where the compressed KV is left behind until the next compressed step: _commit)
+        attn.capture = QueryCapture(width) if proposer is not Proposer.LOOKUP else None
+        attn.live_queries = live
         stager.ready()
         try:
             out = self.target_worker.forward_batch_generation(batch, is_verify=True)
         finally:
             capture, attn.capture, attn.live_queries = attn.capture, None, None
             stager.release()
+        if kept is not None:  # back to the width's layout every reader of the verify expects
+            spread_verify_output(out.logits_output, kept, bs * width)
         chain.mask_verify(out.logits_output.next_token_logits)
         penalize_verify(out.logits_output.next_token_logits, chain.rows, chain.draft_lens,
                         step.penalized, batch.reqs, batch.sampling_info, self.book.penalties,
@@ -324,15 +336,17 @@ class DecodeStep:
         self._lap(Phase.VERIFY)
         predict, accept_lens = accepted.committed, accepted.accept_lens
         for i in drafted:
-            queries = [capture.queries[i][layer] for layer in range(self.num_layers)]
+            queries = None if capture is None else [capture.queries[i][layer]
+                                                    for layer in range(self.num_layers)]
             self._commit(batch.reqs[i], pool_rows[i], int(base[i]), int(accept_lens[i]),
                          int(draft_lens[i]), queries, proposer)  # fmt: skip
         for i in step.demoted:  # their token follows their KV to the host
             self.offload(batch.reqs[i], pool_rows[i], int(base[i]) + 1, None)
         self._lap(Phase.OFFLOAD)
         # the verify is priced as the whole drafted step but its draft forwards: it carries
-        # the catch-up of compressed KV behind after plain steps, the commit and the offloads,
-        # which a drafted step pays once (the prepare phase before the choice, both modes pay)
+        # the catch-up of compressed KV behind after plain and lookup steps, the commit and the
+        # offloads, which a drafted step pays once (the prepare phase before the choice, both
+        # modes pay)
         self.draft_length.observe_forward(
             ForwardKind.VERIFY, verify_shape(batch, width, live),
             time.perf_counter() - started - drafting_seconds)
@@ -346,10 +360,14 @@ class DecodeStep:
     def _commit(self, req, row: int, base: int, n: int, drafts: int, queries,
                 proposer: Proposer) -> None:  # fmt: skip
         """Book ``n`` committed tokens of a row verified over ``drafts`` drafts of ``proposer``:
-        compressed KV, stats, placement."""
+        compressed KV (``queries``: each layer's [H_q, >= n, D] verify queries; None after
+        lookup drafts, which leave it behind as a plain step does: nothing drafts from it until
+        a compressed step catches it up, so a run of lookup steps skips its upkeep), stats,
+        placement."""
         state, offloader = self.states[req.rid], self.offloader()
-        slots = offloader.row_slots(row, base, base + n)
-        state.append(offloader.read_slots, slots, [q[:, :n] for q in queries])
+        if queries is not None:
+            slots = offloader.row_slots(row, base, base + n)
+            state.append(offloader.read_slots, slots, [q[:, :n] for q in queries])
         span = offloader.ledger.span(row)
         fetched = 0 if span is None else span.host.nbytes  # host KV the verify read
         record = VerifyRecord(drafted=drafts, committed=n, bytes_fetched=fetched,
