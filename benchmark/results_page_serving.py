@@ -13,6 +13,8 @@ from typing import Any
 from benchmark.results_page import Results, Row, prose, table
 
 NAME = "serving_grid.json"
+# the grid's runs so far, each a part of the grid (one machine runs a few cells an hour)
+GRIDS = (NAME, "serving_grid_1k.json", "serving_grid_7k.json")
 COMMAND = "python benchmark/serving_grid.py"
 SERVERS = ("plain", "offload-only", "vericache")
 
@@ -29,7 +31,7 @@ def _num(v: Any, fmt: str) -> str:
     return "-" if v is None else format(v, fmt)
 
 
-def rows(res: Results, report: dict[str, Any]) -> list[Row]:
+def rows(res: Results, report: dict[str, Any], name: str = NAME) -> list[Row]:
     groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for c in report["cells"]:
         if c.get("summary"):
@@ -46,7 +48,7 @@ def rows(res: Results, report: dict[str, Any]) -> list[Row]:
                                   ".1f") for s in SERVERS)  # fmt: skip
         same = [c["summary"]["identical"].get("vericache", {}) for c in cells]
         identical = f"{sum(s.get('same', 0) for s in same)}/{sum(s.get('total', 0) for s in same)}"
-        out.append(res.row(NAME, [budget, f"`{dataset}`", ratios,
+        out.append(res.row(name, [budget, f"`{dataset}`", ratios,
                                   f"{figures} (in {top['input_len']}, c{top['concurrency']})",
                                   identical], report.get("command", COMMAND)))  # fmt: skip
     return out
@@ -54,13 +56,12 @@ def rows(res: Results, report: dict[str, Any]) -> list[Row]:
 
 def serving(res: Results) -> list[str]:
     """The section's body; one line while the grid has not run (the page stays under 500)."""
-    report = res.load(NAME)
-    found = rows(res, report) if report else []
+    found = [r for name in GRIDS if (report := res.load(name)) for r in rows(res, report, name)]
     if not found:
         not_run = (f"Not yet run: `{COMMAND}` (SGLang's own client, `python -m "
                    "sglang.benchmark.serving`, against plain SGLang, offload-only and "
                    "`--vericache`).")
         return [not_run]
-    links = res.links("serving_grid.md")
+    links = res.links(*(n.replace(".json", ".md") for n in GRIDS))
     text = prose(TEXT) + ([f"Per cell (TTFT, TPOT, ratios by round): {links}."] if links else [])
     return text + [""] + table(HEAD, found)
