@@ -23,8 +23,9 @@ Three forward kinds reach it (``AttentionBackend.forward`` dispatches DECODE to
   for one verify at 8k). On a CPU with float32 KV every row of a layer attends in one call of
   the verify kernel (``ops/cpu_verify_decode.py``: 1.56x torch's SDPA loop at 8 rows x 6.3k),
   reading each row's full KV where the ledger finds it. A row that drafts less than the
-  batch's width brings only its 1 + drafts queries (``live_queries``, set by the worker; the
-  forward's rows are then ragged: ``srt/decode/batch_inputs.py``), and only those attend.
+  batch's width brings only its 1 + drafts queries (``live_queries`` and their
+  ``kept_columns``, set by the worker; the forward's rows are then ragged:
+  ``srt/decode/batch_inputs.py``), and only those attend.
 
 The full KV of a request is read through the offload ledger (``srt/kv/offload.py``): positions the
 worker moved to host memory come from there, the rest from the pool. Plain DECODE steps over a
@@ -47,7 +48,7 @@ from sglang_vericache.compress.attend import group_mask, grouped_sdpa
 from sglang_vericache.ops.cpu_verify_decode import CpuVerifyDecode, load_cpu_verify_decode
 from sglang_vericache.srt.attention.draft_attention import DraftPlan
 from sglang_vericache.srt.context import open_context
-from sglang_vericache.srt.decode.batch_inputs import live_index, spread_rows
+from sglang_vericache.srt.decode.batch_inputs import spread_rows
 from sglang_vericache.verify.step_profile import StepClock
 
 if TYPE_CHECKING:
@@ -85,8 +86,8 @@ class QueryCapture:
 class VeriCacheAttnBackend(TorchNativeAttnBackend):
     """torch_native with compressed-view drafting and an O(D*L) verify (see module doc).
 
-    The worker sets ``draft`` / ``capture`` / ``clock`` / ``live_queries`` around its forwards
-    and clears them after; with all None the backend behaves exactly like torch_native (plus the
+    The worker sets ``draft`` / ``capture`` / ``clock`` / ``live_queries`` / ``kept_columns``
+    around its forwards and clears them after; with all None the backend behaves exactly like torch_native (plus the
     fast verify).
     """
 
@@ -97,13 +98,13 @@ class VeriCacheAttnBackend(TorchNativeAttnBackend):
         # per row of a verify, its queries that count (1 + its drafts; None: all): the rest pad
         # the batch's width, and the verify kernel skips them
         self.live_queries: list[int] | None = None
+        # their flat [bs * width] columns (``batch_inputs.live_index``; None: no row pads)
+        self.kept_columns: torch.Tensor | None = None
         self.clock: StepClock | None = None  # the worker's profile of the current decode step
         self.ledger = open_context(self.req_to_token_pool).ledger  # the first part built
         # a verify's causal masks, built at its first layer and shared by the others
         self._verify_masks: tuple[ForwardBatch | None, dict[tuple[int, ...], torch.Tensor]] = (
             None, {})  # fmt: skip
-        # a ragged verify's kept columns (``batch_inputs.live_index``), likewise
-        self._verify_kept: tuple[ForwardBatch | None, torch.Tensor | None] = (None, None)
 
     def _write_kv(self, layer, fb, k, v, save_kv_cache: bool) -> None:
         if save_kv_cache and k is not None and v is not None:
@@ -151,10 +152,10 @@ class VeriCacheAttnBackend(TorchNativeAttnBackend):
         less than the width (``batch_inputs.set_verify_inputs``); returns
         [sum(live), H_q * D_v]."""
         bases = fb.seq_lens_cpu.tolist()
+        ends = [b + n for b, n in zip(bases, live)]  # each row's keys through its last query
         kernel = self.verify_kernel
         if kernel is None or layer.qk_head_dim != layer.v_head_dim:
-            return self._attend_new_tokens(q3, k, v, layer, fb, live,
-                                           [b + n for b, n in zip(bases, live)], save_kv_cache,
+            return self._attend_new_tokens(q3, k, v, layer, fb, live, ends, save_kv_cache,
                                            shared_masks=True)  # fmt: skip
         self._write_kv(layer, fb, k, v, save_kv_cache)
         rows = fb.req_pool_indices.tolist()
@@ -162,27 +163,18 @@ class VeriCacheAttnBackend(TorchNativeAttnBackend):
         # width, of which its live queries see only those through their own positions
         kv = [self._full_kv(layer.layer_id, row, b + width) for row, b in zip(rows, bases)]
         keys, values = [kv_k for kv_k, _ in kv], [kv_v for _, kv_v in kv]
-        kept = self._kept_columns(fb, live, width)
+        kept = self.kept_columns
         heads, dim = layer.tp_q_head_num, layer.qk_head_dim
         q4 = (q3 if kept is None else spread_rows(q3, kept, len(bases) * width)).view(
             len(bases), width, heads, dim)  # fmt: skip
         if not kernel.accepts(q4, keys, values):
-            return self._attend_new_tokens(q3, None, None, layer, fb, live,
-                                           [b + n for b, n in zip(bases, live)], False,
+            return self._attend_new_tokens(q3, None, None, layer, fb, live, ends, False,
                                            shared_masks=True)  # fmt: skip
         if self.clock is not None:  # gathered rows (not read in place) live until the call ends
             self.clock.note_transient(sum(2 * kk.numel() * kk.element_size()
                                           for kk in keys if _copied(kk)))  # fmt: skip
         out = kernel(q4, keys, values, layer.scaling, live=live).view(-1, heads * dim)
         return out if kept is None else out[kept]
-
-    def _kept_columns(self, fb: ForwardBatch, live: list[int], width: int) -> torch.Tensor | None:
-        """``batch_inputs.live_index`` of verify ``fb``, built at its first layer."""
-        owner, kept = self._verify_kept
-        if owner is not fb:
-            kept = live_index(live, width, self.device)
-            self._verify_kept = (fb, kept)
-        return kept
 
     def _attend_new_tokens(self, q3, k, v, layer: RadixAttention, fb: ForwardBatch,
                            new: list[int], ends: list[int], save_kv_cache: bool,

@@ -310,12 +310,13 @@ class DecodeStep:
         set_verify_inputs(batch, offloader.table, chain.rows, base, kept)
         attn = self.attn()
         attn.capture = QueryCapture(width)
-        attn.live_queries = live
+        attn.live_queries, attn.kept_columns = live, kept
         stager.ready()
         try:
             out = self.target_worker.forward_batch_generation(batch, is_verify=True)
         finally:
-            capture, attn.capture, attn.live_queries = attn.capture, None, None
+            capture, attn.capture = attn.capture, None
+            attn.live_queries = attn.kept_columns = None
             stager.release()
         if kept is not None:  # back to the width's layout every reader of the verify expects
             spread_verify_output(out.logits_output, kept, bs * width)
@@ -353,8 +354,8 @@ class DecodeStep:
                 proposer: Proposer) -> None:  # fmt: skip
         """Book ``n`` committed tokens of a row verified over ``drafts`` drafts of ``proposer``:
         compressed KV, stats, placement. (After lookup drafts too: left behind until the next
-        compressed step, its upkeep lands in that step's verify, priced as a wide verify's;
-        measured at 8 x 6k that way, verify plus commit took no less per step.)"""
+        compressed step, its upkeep would land in that step's verify, which the cost fit prices
+        as a wide verify's.)"""
         state, offloader = self.states[req.rid], self.offloader()
         slots = offloader.row_slots(row, base, base + n)
         state.append(offloader.read_slots, slots, [q[:, :n] for q in queries])
