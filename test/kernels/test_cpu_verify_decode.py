@@ -126,3 +126,20 @@ def test_live_queries_are_computed_as_in_a_full_call_and_the_rest_is_zero(
         kernel(q, keys, values, 0.125, live=[0, 5, 3])
     with pytest.raises(RuntimeError, match="one query count per row"):
         kernel(q, keys, values, 0.125, live=[1, 2])
+
+
+@pytest.mark.parametrize("poison", [float("nan"), float("inf")])
+def test_keys_and_values_past_a_query_are_never_read(kernel, poison: float) -> None:
+    """A ragged verify leaves the slots past a row's live queries unwritten: whatever they hold
+    (NaN, inf) must not reach a live query's output (0 * NaN is NaN in a value sum)."""
+    gen = torch.Generator().manual_seed(11)
+    lengths, n, live = [700, 6, 130], 6, [2, 6, 1]
+    keys, values = _host_rows(lengths, 3, 64, 9, gen)
+    q = torch.randn(len(lengths), n, 9, 64, generator=gen)
+    clean = kernel(q, keys, values, 0.125, live=live)
+    for b, (t, k) in enumerate(zip(lengths, live)):
+        keys[b][:, t - n + k :] = poison
+        values[b][:, t - n + k :] = poison
+    got = kernel(q, keys, values, 0.125, live=live)
+    assert torch.isfinite(got).all()
+    assert torch.equal(got, clean)

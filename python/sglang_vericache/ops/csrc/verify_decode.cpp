@@ -193,9 +193,15 @@ void attend_chunk(const RowKV& row, const float* q, int64_t h, int64_t n, int64_
         for (int64_t d = 0; d < D; ++d) aq[d] *= alpha;
       }
     }
-    for (int64_t qi = 0; qi < Q; ++qi)  // the block's values, from L1 for every query
-      block_values(s.data() + qi * BLOCK, vp + b0 * row.value_token, row.value_token, b1 - b0,
-                   D, part.acc.data() + qi * D);
+    // the block's values, from L1 for every query: only those the query sees. A value past its
+    // position may be anything (a ragged verify leaves the slots past a row's live queries
+    // unwritten), and 0 * NaN would be NaN.
+    for (int64_t qi = 0; qi < Q; ++qi) {
+      const int64_t seen = std::min(b1, row.T - n + qi / G + 1) - b0;
+      if (seen > 0)
+        block_values(s.data() + qi * BLOCK, vp + b0 * row.value_token, row.value_token, seen, D,
+                     part.acc.data() + qi * D);
+    }
   }
 }
 
