@@ -55,6 +55,12 @@ def _kept(row: dict) -> int:
     return row["memory_bytes"] - int(row.get("demoted_bytes") or 0)
 
 
+def _last_words(server) -> str:
+    """A dead server's exit status and log tail: SGLang's watchdog writes a py-spy dump of the
+    scheduler's stacks there when a forward stalls, and a crash its traceback."""
+    return f"exit status {server.proc.poll()}; log tail:\n{server.log_tail(12000)}"
+
+
 def _target(name: str, server, metrics: bool = False) -> SoakTarget:
     return SoakTarget(name, server.url, server.proc.pid, lambda: server.proc.poll() is None,
                       metrics=metrics)  # fmt: skip
@@ -69,8 +75,9 @@ def test_five_minutes_of_mixed_traffic_leave_nothing_behind(plain_server, tiered
     out.write_text(json.dumps(report, indent=1, default=str))
     brief = json.dumps({n: {k: v for k, v in s.items() if k != "samples"}
                         for n, s in report["servers"].items()}, default=str)[:3000]  # fmt: skip
+    servers = {"plain": plain_server, "vericache": tiered_server}
     for name, s in report["servers"].items():
-        assert s["alive"], (name, brief)
+        assert s["alive"], (name, brief, _last_words(servers[name]))
         assert s["requests"] > 50, (name, brief)
         assert s["failed"] == 0, (name, brief)
         assert s["after_flush_used_tokens"] == s["baseline_used_tokens"], (name, brief)
