@@ -60,16 +60,19 @@ def perturbed_model(default_model_path: Path, tmp_path_factory) -> Path:
     return out
 
 
-def _tier_args(kv_server: ServerProcess) -> list[str]:
-    # no draft weight copies: 256 MiB less per server, and drafting's precision is not tested here
+def _tier_args(kv_server: ServerProcess, draft_dtype: str = "model") -> list[str]:
+    # B and E: no draft weight copies (256 MiB less per server)
     return ["--max-total-tokens", "4096", "--vericache", "--vericache-draft-len", "4",
-            "--vericache-draft-dtype", "model", "--vericache-tier", kv_server.spec]  # fmt: skip
+            "--vericache-draft-dtype", draft_dtype, "--vericache-tier", kv_server.spec]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def server_a(kv_server, tmp_path_factory) -> Iterator[SGLangServer]:
+    """Drafts on bf16 shadow weights from the model's compressed KV (no prompt lookup): after
+    a weight update its drafts come from shadows of the new weights."""
     log = tmp_path_factory.mktemp("tier_identity_a") / "server.log"
-    with SGLangServer(_tier_args(kv_server), log_path=log) as a:
+    args = [*_tier_args(kv_server, "bfloat16"), "--vericache-proposer", "compressed"]
+    with SGLangServer(args, log_path=log) as a:
         yield a
 
 
@@ -215,6 +218,9 @@ def test_servers_share_kv_exactly_when_they_serve_the_same_weights(
     before = kv_server.stats()["puts"]
     on_a = _generate(a, {"input_ids": ids})
     assert on_a["output_ids"] == want_perturbed
+    # its drafts ran on shadows remade from the perturbed weights, not the start's
+    assert on_a["meta_info"]["vericache"]["verify_steps"] >= 1, on_a["meta_info"]
+    assert "draft shadow weights remade" in a.log_path.read_text(errors="replace")
     assert _wait_puts(kv_server, before + whole // CHUNK) >= before + whole // CHUNK
 
     on_b = _generate(b, {"input_ids": ids})

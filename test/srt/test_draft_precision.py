@@ -86,6 +86,43 @@ def test_outside_drafting_every_layer_is_bit_identical_and_inside_runs_on_shadow
     assert torch.allclose(drafted, before, rtol=0.02, atol=0.3)  # and close to the model's
 
 
+def test_a_weight_update_remakes_the_shadows_before_the_next_draft() -> None:
+    """SGLang's loaders copy new weights into the model's tensors in place: until the hooks say
+    so the shadows still hold the old model; after, the next draft forward runs on shadows of
+    the new weights, bit for bit what a precision installed on the new model computes."""
+    from sglang_vericache.srt.attention.draft_precision import DraftPrecision, drafting
+
+    model = TinyCausalLM()
+    x = torch.randn(8, 32)
+    precision = DraftPrecision(bf16()).install(model)
+    with drafting(precision):
+        old_drafts = model(x)
+    nbytes = precision.nbytes
+    with torch.no_grad():  # an update from disk: every weight and bias overwritten in place
+        for layer in (model.up, model.down):
+            layer.weight.copy_(-2.0 * layer.weight)
+        model.up.bias.add_(1.0)
+        model.lm_head.weight.mul_(0.5)
+    with drafting(precision):
+        assert torch.equal(model(x), old_drafts)  # stale: nobody said the weights changed
+    precision.weights_changed()
+    assert precision.stale
+    with drafting(precision):
+        new_drafts = model(x)
+    assert not precision.stale and precision.refreshes == 1 and precision.nbytes == nbytes
+
+    fresh = TinyCausalLM()
+    with torch.no_grad():
+        for name in ("up", "down"):
+            getattr(fresh, name).weight.copy_(getattr(model, name).weight)
+        fresh.up.bias.copy_(model.up.bias)
+        fresh.lm_head.weight.copy_(model.lm_head.weight)
+    reference = DraftPrecision(bf16()).install(fresh)
+    with drafting(reference):
+        assert torch.equal(new_drafts, fresh(x))
+    assert not torch.equal(new_drafts, old_drafts)
+
+
 def test_drafting_without_shadows_is_a_no_op_and_the_switch_resets_on_error() -> None:
     from sglang_vericache.srt.attention.draft_precision import DraftPrecision, drafting
 
@@ -175,3 +212,39 @@ def test_the_flag_parses_round_trips_and_names_itself_when_wrong() -> None:
         VeriCacheConfig.from_dict({**config.to_dict(), "draft_dtype": "float8"})
     with pytest.raises(SystemExit):  # argparse names the choices at start-up
         parser.parse_args(["--vericache", "--vericache-draft-dtype", "int4"])
+
+
+@pytest.mark.parametrize("how", ["disk", "failed disk", "tensor", "raising"])
+def test_every_weight_update_marks_the_shadows_stale_tier_or_not(how: str) -> None:
+    """SGLang's weight-update calls, through the hooks around them (``model_identity.py``): on
+    a server without a remote tier (no ``ServedWeights``) the shadows in the scheduler's context
+    are marked stale by a disk load, a failed one, an unnamed update and one that raised; a
+    draft model's runner leaves them alone."""
+    from sglang_vericache.srt.attention.draft_precision import DraftPrecision
+    from sglang_vericache.srt.context import open_context
+    from sglang_vericache.srt.prefix import model_identity as hooks
+
+    pool = SimpleNamespace()
+    precision = DraftPrecision(bf16()).install(TinyCausalLM())
+    open_context(pool).draft_precision = precision
+    draft_runner = SimpleNamespace(req_to_token_pool=pool, is_draft_worker=True)
+    hooks._around_disk_load(lambda *a: (True, "ok"), SimpleNamespace(
+        get_model_runner=lambda: draft_runner), "/m", None)  # fmt: skip
+    assert not precision.stale
+    runner = SimpleNamespace(req_to_token_pool=pool, is_draft_worker=False)
+    updater = SimpleNamespace(get_model_runner=lambda: runner)
+    manager = SimpleNamespace(tp_worker=SimpleNamespace(model_runner=runner))
+
+    def broken(*args: object) -> None:
+        raise RuntimeError("lost a shard")
+
+    if how == "disk":
+        hooks._around_disk_load(lambda *a: (True, "ok"), updater, "/m", None)
+    elif how == "failed disk":
+        hooks._around_disk_load(lambda *a: (False, "no"), updater, "/m", None)
+    elif how == "tensor":
+        hooks._around_unnamed_change("update_weights_from_tensor")(lambda *a: None, manager)
+    else:
+        with pytest.raises(RuntimeError):
+            hooks._around_unnamed_change("update_weights_from_tensor")(broken, manager)
+    assert precision.stale

@@ -20,7 +20,10 @@ What it holds (each made by one part, read by the others):
 - ``ahead``: drafting while a prefix is fetched (``srt/prefix/draft_ahead.py``), set by the
   prefix cache where fetch drafting is on; None without it;
 - ``served``: the weights served now (``srt/prefix/model_identity.ServedWeights``), set with a
-  remote tier; the weight-update hooks move it. None without a remote tier.
+  remote tier; the weight-update hooks move it. None without a remote tier;
+- ``draft_precision``: the draft path's shadow weights (``srt/attention/draft_precision.py``),
+  set by the worker where it drafts on them; the weight-update hooks mark them stale. None
+  without shadows.
 
 Scheduler thread only.
 """
@@ -47,6 +50,7 @@ class VeriContext:
     link: Any = None  # srt/prefix/remote_prefix.RemotePrefixLink | None
     ahead: Any = None  # srt/prefix/draft_ahead.DraftAhead | None
     served: Any = None  # srt/prefix/model_identity.ServedWeights | None
+    draft_precision: Any = None  # srt/attention/draft_precision.DraftPrecision | None
 
     def __post_init__(self) -> None:
         # the ledger's rows must belong to live requests (RequestTable.check_integrity); its

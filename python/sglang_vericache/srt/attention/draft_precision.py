@@ -179,14 +179,21 @@ class DraftPrecision:
     """Shadow weights of one model in ``format`` and the switch that selects them.
 
     Mutates the model once (``install``: quant methods and the logits processor replaced by
-    wrappers); afterwards only ``switch`` changes, on the scheduler thread, around draft
-    forwards. ``nbytes``: what the shadows hold (outside the KV pool, like the weights)."""
+    wrappers); afterwards, on the scheduler thread, ``switch`` changes around draft forwards and
+    the shadows are remade after a weight update (``weights_changed``: SGLang's loaders copy new
+    weights into the model's tensors in place, so the shadows would go on drafting the old
+    model: exact still, as drafts only propose, but hardly ever accepted). ``nbytes``: what the
+    shadows hold (outside the KV pool, like the weights)."""
 
     def __init__(self, fmt: ShadowFormat) -> None:
         self.format = fmt
         self.switch = DraftSwitch()
         self.layers = 0
         self.nbytes = 0
+        self.stale = False  # the weights changed since the shadows were made
+        self.refreshes = 0
+        # (layer, its shadow holder): what ``refresh`` remakes each shadow from
+        self._shadowed: list[tuple[nn.Module, ShadowLinearMethod | ShadowHeadMethod]] = []
 
     def install(self, model: nn.Module) -> "DraftPrecision":
         """Shadow every unquantized linear layer of ``model`` whose weight is in another dtype
@@ -200,34 +207,56 @@ class DraftPrecision:
             if not self._shadows(weight):
                 continue
             bias = getattr(module, "bias", None)
-            shadow = self._shadow(weight, bias if isinstance(bias, Tensor) else None)
-            module.quant_method = ShadowLinearMethod(method, shadow, self.switch)
+            module.quant_method = ShadowLinearMethod(method, self._shadow_of(module), self.switch)
+            self._shadowed.append((module, module.quant_method))
             self.layers += 1
         head = getattr(model, "lm_head", None)
         logits = getattr(model, "logits_processor", None)
         weight = getattr(head, "weight", None)
         if isinstance(weight, Tensor) and isinstance(logits, nn.Module) and self._shadows(weight):
-            head_method = ShadowHeadMethod(self._shadow(weight))
+            head_method = ShadowHeadMethod(self._shadow_of(head, with_bias=False))
             model.logits_processor = ShadowLogits(logits, _ShadowHead(weight, head_method),
                                                   self.switch, weight.dtype)  # fmt: skip
+            self._shadowed.append((head, head_method))
             self.layers += 1
         return self
+
+    def weights_changed(self) -> None:
+        """The model's weights changed: the shadows are remade before the next draft forward
+        (not here: an RL weight sync may update a model in many partial calls)."""
+        self.stale = True
+
+    def refresh(self) -> None:
+        """Remake every shadow from its layer's weights now."""
+        self.nbytes = 0
+        for module, holder in self._shadowed:
+            holder.shadow = self._shadow_of(module, with_bias=isinstance(holder,
+                                                                         ShadowLinearMethod))
+        self.stale = False
+        self.refreshes += 1
+        logger.info("draft shadow weights remade from the updated model (%d layers)",
+                    self.layers)
 
     def _shadows(self, weight: Tensor) -> bool:
         return weight.is_floating_point() and weight.dtype != self.format.dtype
 
-    def _shadow(self, weight: Tensor, bias: Tensor | None = None) -> Shadow:
-        shadow = make_shadow(self.format, weight, bias)
+    def _shadow_of(self, module: nn.Module, with_bias: bool = True) -> Shadow:
+        """A shadow of ``module``'s weight (and bias) as they are now."""
+        bias = getattr(module, "bias", None) if with_bias else None
+        shadow = make_shadow(self.format, module.weight, bias if isinstance(bias, Tensor) else None)
         self.nbytes += shadow.nbytes
         return shadow
 
 
 @contextmanager
 def drafting(precision: DraftPrecision | None) -> Iterator[None]:
-    """Forwards inside run on ``precision``'s shadow weights (None: on the model's own)."""
+    """Forwards inside run on ``precision``'s shadow weights (None: on the model's own), remade
+    first where the model's weights changed since."""
     if precision is None:
         yield
         return
+    if precision.stale:
+        precision.refresh()
     precision.switch.active = True
     try:
         yield

@@ -59,7 +59,7 @@ from sglang_vericache.srt.decode.batch_inputs import (
     spec_result,
 )
 from sglang_vericache.srt.decode.decode_step import DecodeStep, lap
-from sglang_vericache.srt.context import context_of
+from sglang_vericache.srt.context import context_of, open_context
 from sglang_vericache.srt.prefix.draft_ahead import DraftAhead
 from sglang_vericache.srt.attention.draft_precision import DraftPrecision, choose_draft_format
 from sglang_vericache.srt.kv.draft_state import RequestDraftState
@@ -172,6 +172,13 @@ class VeriCacheWorker(BaseSpecWorker):
         fmt = choose_draft_format(self.config.draft_dtype, config.dtype, torch.device(self.device),
                                   config.hidden_size)  # fmt: skip
         return None if fmt is None else DraftPrecision(fmt).install(self.model_runner.model)
+
+    def init_attention_backends(self) -> None:
+        """SGLang's call once the pools exist: from here the weight-update hooks find the shadow
+        weights in the scheduler's context (``srt/prefix/model_identity.py``)."""
+        super().init_attention_backends()
+        if self.precision is not None:
+            open_context(self.model_runner.req_to_token_pool).draft_precision = self.precision
 
     @property
     def attn(self) -> VeriCacheAttnBackend:

@@ -22,7 +22,9 @@ loads that bypass those (P2P/RDMA), between ``begin_weight_update`` and ``end_we
   in an RL weight sync), and the tensors of a partial update do not name the weights they join.
 
 Every change, to the same identity too, also moves ``ServedWeights.generation`` on: KV
-computed under one generation is never filed under another (``srt/prefix/tier_eligibility.py``). The
+computed under one generation is never filed under another (``srt/prefix/tier_eligibility.py``);
+and, with or without a tier, it marks the draft path's shadow weights stale (remade before the
+next draft: ``srt/attention/draft_precision.py``). The
 hooks wrap the calls (AROUND) so that an update that raises moves it as well. They are
 registered with SGLang's HookRegistry (applied by SGLang after plugins load), like every other
 hook of this package, and find a scheduler's ``ServedWeights`` in its context
@@ -121,6 +123,17 @@ def served_weights_of(model_runner: Any) -> ServedWeights | None:
     return context_of(pool).served if has_context(pool) else None
 
 
+def _draft_shadows_stale(model_runner: Any) -> None:
+    """The draft path's shadow weights (``srt/attention/draft_precision.py``) are remade before
+    the next draft: whatever the update did, the model's tensors may hold other numbers now."""
+    if model_runner is None or getattr(model_runner, "is_draft_worker", False):
+        return
+    pool = getattr(model_runner, "req_to_token_pool", None)
+    precision = context_of(pool).draft_precision if has_context(pool) else None
+    if precision is not None:
+        precision.weights_changed()
+
+
 def _around_disk_load(original: Callable[..., Any], updater: Any, model_path: str,
                       load_format: str | None, *args: Any, **kwargs: Any) -> Any:
     loaded = False
@@ -129,7 +142,9 @@ def _around_disk_load(original: Callable[..., Any], updater: Any, model_path: st
         loaded = bool(result[0])
         return result
     finally:
-        served = served_weights_of(updater.get_model_runner())
+        runner = updater.get_model_runner()
+        _draft_shadows_stale(runner)
+        served = served_weights_of(runner)
         if served is not None and loaded:
             served.loaded_from_disk(model_path, load_format)
         elif served is not None:
@@ -142,6 +157,7 @@ def _around_unnamed_change(method: str) -> Callable[..., Any]:
             return original(manager, *args, **kwargs)
         finally:
             runner = getattr(getattr(manager, "tp_worker", None), "model_runner", None)
+            _draft_shadows_stale(runner)
             served = served_weights_of(runner)
             if served is not None:
                 served.changed_unnamed(method)
