@@ -208,18 +208,16 @@ verified row, and a draft forward's time. Prompts are cut to at most the stated 
 
 STEP_LIMITS = """
 Limits, plainly:
-- First row: prompt-lookup drafts in 52 of 61 steps (no forward; 56% of their tokens accepted).
-  The same workload gave 1.93x / 1.84x the same morning on code without the ragged verify
-  (`step_profile_lookup.json`); on these shared cores runs of one code differ that much.
+- First row: prompt-lookup drafts in 52 of 61 steps (56% accepted). Code without the ragged verify
+  gave 1.93x / 1.84x that morning (`step_profile_lookup.json`): runs here differ that much.
 - Drafting pays where many rows attend over long contexts. At batch 1 a width-8 verify costs 1.9x
   a plain step on this CPU, so drafting could buy at most ~8%: the planner decodes plainly (parity
   with offload-only, less 1-2% of a 256-token decode for measuring and exploring).
 - KIVI at 8 x 5-7k: unpacking codes costs this CPU more than the bytes it saves, so the planner
   decodes plainly (0.90x offload-only).
-- End to end, prefill included, VeriCache is about level with offload-only at 256 new tokens.
-- Offload-only alone is 1.5-2.4x plain SGLang: a row's full KV in its own host buffer is read in
-  place, where SGLang's torch_native decode gathers scattered pool slots every layer. Nothing here
-  ran on a GPU.
+- End to end, prefill included, VeriCache is about level with offload-only at 256 new tokens, and
+  offload-only alone is 1.5-2.4x plain SGLang (a row's full KV is read in place from its own host
+  buffer; SGLang's torch_native decode gathers scattered pool slots every layer). No GPU here.
 """
 
 CATEGORIES = ["attention (SDPA)", "linear layers", "LM head", "full-KV read", "other model ops",

@@ -88,10 +88,9 @@ slopes per hour after the first sample). A five-minute version runs in the test 
 
 
 SOAK_LIMITS = """
-Limits, plainly: one hour, one seed, one mix, on 2 shared cores. `--vericache`'s memory rises and
-falls with the compressed prefixes it keeps for next turns (capped at 512 MiB counted, about 1.3x
-that held; 511 MiB counted at most here) and with the heap trimmed when it idles: 4,294 MiB at the
-first sample, 5,217 at the highest, 4,392 at the last; the slopes are over all samples.
+Limits, plainly: one hour, one seed, one mix, 2 shared cores. `--vericache`'s memory moves with
+the compressed prefixes kept for next turns (cap 512 MiB counted, ~1.3x that held; 511 at most here)
+and the idle heap trim: 4,294 MiB first, 5,217 highest, 4,392 last; slopes over all samples.
 """
 
 
