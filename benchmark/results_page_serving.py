@@ -14,13 +14,13 @@ from benchmark.results_page import Results, Row, prose, table
 
 NAME = "serving_grid.json"
 # the grid's runs so far, each a part of the grid (one machine runs a few cells an hour)
-GRIDS = (NAME, "serving_grid_1k.json", "serving_grid_1k_c8.json", "serving_grid_7k.json")
+GRIDS = (NAME, "serving_grid_1k.json", "serving_grid_1k_c8.json", "serving_grid_4k_c16.json",
+         "serving_grid_7k.json")
 COMMAND = "python benchmark/serving_grid.py"
 SERVERS = ("plain", "offload-only", "vericache")
 
 TEXT = """
-`python -m sglang.benchmark.serving` against plain SGLang, offload-only and `--vericache` (`auto`),
-the cells run so far; at 64 new tokens a request's time is mostly prefill (TTFT about half of it).
+`python -m sglang.benchmark.serving`, `--vericache` (`auto`) vs the baselines; 64 new tokens each.
 """
 
 HEAD = ["budget", "dataset", "VeriCache / better baseline, output tok/s (input: by concurrency)",
