@@ -179,8 +179,8 @@ def test_a_verify_on_the_cpu_kernel_attends_as_the_sdpa_loop_does() -> None:
 @pytest.mark.parametrize("kernel", [True, False])
 def test_a_ragged_verify_attends_each_rows_live_queries_as_a_full_width_one(kernel: bool) -> None:
     """A row verifying fewer drafts than the width brings only its 1 + drafts queries
-    (``live_queries`` / ``kept_columns``; the forward's rows ragged): their attention is the full-width verify's,
-    on the kernel and on the SDPA loop."""
+    (``live_queries`` / ``kept_columns``; the forward's rows ragged): their attention is the
+    full-width verify's, on the kernel and on the SDPA loop."""
     from sglang_vericache.srt.decode.batch_inputs import live_index
 
     backend, layer, batch, _, _ = _setup()

@@ -87,8 +87,8 @@ class VeriCacheAttnBackend(TorchNativeAttnBackend):
     """torch_native with compressed-view drafting and an O(D*L) verify (see module doc).
 
     The worker sets ``draft`` / ``capture`` / ``clock`` / ``live_queries`` / ``kept_columns``
-    around its forwards and clears them after; with all None the backend behaves exactly like torch_native (plus the
-    fast verify).
+    around its forwards and clears them after; with all None the backend behaves exactly like
+    torch_native (plus the fast verify).
     """
 
     def __init__(self, model_runner) -> None:

@@ -40,7 +40,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from sglang_vericache.srt.context import context_of, has_context, open_context
+from sglang_vericache.srt.context import VeriContext, context_of, has_context, open_context
 from sglang_vericache.tier.geometry import KVGeometry
 from sglang_vericache.tier.identity import ModelIdentity, canonical_json
 
@@ -114,24 +114,28 @@ class ServedWeights:
         return now
 
 
-def served_weights_of(model_runner: Any) -> ServedWeights | None:
-    """The ``ServedWeights`` of the scheduler that owns ``model_runner`` (None without a
-    remote tier, or for a draft model's runner: its weights are not the KV's)."""
+def _served_context(model_runner: Any) -> VeriContext | None:
+    """The context of the scheduler whose served model ``model_runner`` runs (None for a
+    draft model's runner: its weights are neither the KV's nor the drafts', or without one)."""
     if model_runner is None or getattr(model_runner, "is_draft_worker", False):
         return None
     pool = getattr(model_runner, "req_to_token_pool", None)
-    return context_of(pool).served if has_context(pool) else None
+    return context_of(pool) if has_context(pool) else None
+
+
+def served_weights_of(model_runner: Any) -> ServedWeights | None:
+    """The ``ServedWeights`` of the scheduler that owns ``model_runner`` (None without a
+    remote tier, or for a draft model's runner: its weights are not the KV's)."""
+    context = _served_context(model_runner)
+    return None if context is None else context.served
 
 
 def _draft_shadows_stale(model_runner: Any) -> None:
     """The draft path's shadow weights (``srt/attention/draft_precision.py``) are remade before
     the next draft: whatever the update did, the model's tensors may hold other numbers now."""
-    if model_runner is None or getattr(model_runner, "is_draft_worker", False):
-        return
-    pool = getattr(model_runner, "req_to_token_pool", None)
-    precision = context_of(pool).draft_precision if has_context(pool) else None
-    if precision is not None:
-        precision.weights_changed()
+    context = _served_context(model_runner)
+    if context is not None and context.draft_precision is not None:
+        context.draft_precision.weights_changed()
 
 
 def _around_disk_load(original: Callable[..., Any], updater: Any, model_path: str,
