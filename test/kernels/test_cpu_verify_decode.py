@@ -143,3 +143,28 @@ def test_keys_and_values_past_a_query_are_never_read(kernel, poison: float) -> N
     got = kernel(q, keys, values, 0.125, live=live)
     assert torch.isfinite(got).all()
     assert torch.equal(got, clean)
+
+
+@pytest.mark.parametrize("h_q, h_kv, d", [(9, 3, 64), (8, 2, 128), (4, 4, 32), (10, 2, 40)])
+def test_a_query_computed_beside_others_equals_it_computed_alone(kernel, h_q: int, h_kv: int,
+                                                                  d: int) -> None:  # fmt: skip
+    """Every query's arithmetic is its own (whatever a kernel shares between the queries of a
+    block, such as its keys in L1), so its output is bit for bit what it is as the only query
+    of a call (one head, one position, keys through its own)."""
+    gen = torch.Generator().manual_seed(h_q * d)
+    lengths, n = [300, 7, 64, 129], 7
+    keys, values = _host_rows(lengths, h_kv, d, 5, gen)
+    q = torch.randn(len(lengths), n, h_q, d, generator=gen) * 2
+    out = torch.empty_like(q)
+    kernel.module.verify_decode(q, keys, values, out, d**-0.5, 1, [])  # keys in one chunk
+    group = h_q // h_kv
+    for b, t in enumerate(lengths):
+        for i in range(n):
+            for h in range(h_q):
+                seen = t - n + i + 1
+                alone = torch.empty(1, 1, 1, d)
+                kernel.module.verify_decode(q[b : b + 1, i : i + 1, h : h + 1].contiguous(),
+                                            [keys[b][h // group : h // group + 1, :seen]],
+                                            [values[b][h // group : h // group + 1, :seen]],
+                                            alone, d**-0.5, 1, [])  # fmt: skip
+                assert torch.equal(alone[0, 0, 0], out[b, i, h]), (b, i, h)

@@ -160,6 +160,24 @@ inline void block_values(const float* p, const float* vt, int64_t vs, int64_t nb
   }
 }
 
+// The largest of s[0 .. nb), nb >= 1 (max is exact: the same float as a scalar scan's, which
+// measured 2-8% of the verify's attention at 3-6 queries a row).
+inline float block_max(const float* s, int64_t nb) {
+  int64_t t = 0;
+  float m = -INFINITY;
+#ifdef VERICACHE_AVX2
+  if (nb >= 8) {
+    __m256 mv = _mm256_loadu_ps(s);
+    for (t = 8; t + 8 <= nb; t += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(s + t));
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, mv);
+    m = *std::max_element(lanes, lanes + 8);
+  }
+#endif
+  for (; t < nb; ++t) m = std::max(m, s[t]);
+  return m;
+}
+
 // Queries of item (b, h) are ordered q = i * G + j (query position i, head h * G + j).
 // Only the first Q = G * live queries are computed (a row's padding past its drafts is not).
 void attend_chunk(const RowKV& row, const float* q, int64_t h, int64_t n, int64_t live, int64_t G,
@@ -181,8 +199,7 @@ void attend_chunk(const RowKV& row, const float* q, int64_t h, int64_t n, int64_
       }
       block_logits(q + (i * Hq + h * G + j) * D, kp + b0 * row.key_token, row.key_token, seen,
                    D, scale, sq);
-      const float bm = *std::max_element(sq, sq + seen);
-      const float m_new = std::max(part.m[qi], bm);
+      const float m_new = std::max(part.m[qi], block_max(sq, seen));
       const float alpha = std::exp(part.m[qi] - m_new);  // 0 for its first block
       part.l[qi] = part.l[qi] * alpha + block_exp(sq, seen, m_new);
       std::fill(sq + seen, sq + (b1 - b0), 0.f);
