@@ -31,7 +31,7 @@ STEP_PROFILES = [
     "step_profile_8_kivi_packed.json", "step_profile_b1_kivi_s27.json",
     "step_profile_b1_snapkv_paired.json",
 ]  # fmt: skip
-SOURCE_PROFILE = "source_profile_verify_kernel.json"
+SOURCE_PROFILE = "source_profile_lookup.json"
 
 
 def _budgets(data: dict) -> list[dict]:
@@ -208,13 +208,10 @@ verified row, and a draft forward's time. Prompts are cut to at most the stated 
 
 STEP_LIMITS = """
 Limits, plainly:
-- First row: prompt-lookup drafts in 52 of 61 steps (56% accepted). Code without the ragged verify
-  gave 1.93x / 1.84x that morning (`step_profile_lookup.json`): runs here differ that much.
-- Drafting pays where many rows attend over long contexts. At batch 1 a width-8 verify costs 1.9x
-  a plain step on this CPU, so drafting could buy at most ~8%: the planner decodes plainly (parity
-  with offload-only, less 1-2% of a 256-token decode for measuring and exploring).
-- KIVI at 8 x 5-7k: unpacking codes costs this CPU more than the bytes it saves, so the planner
-  decodes plainly (0.90x offload-only).
+- First row: lookup drafts in 52 of 61 steps (56% accepted); earlier code gave 1.93x / 1.84x.
+- At batch 1 a width-8 verify costs 1.9x a plain step on this CPU: drafting could buy ~8% at most,
+  so the planner decodes plainly (parity with offload-only, less 1-2% for measuring, exploring).
+- KIVI at 8 x 5-7k: unpacking costs more than the bytes saved; the planner decodes plainly (0.90x).
 - End to end, prefill included, VeriCache is about level with offload-only at 256 new tokens, and
   offload-only alone is 1.5-2.4x plain SGLang (a row's full KV is read in place from its own host
   buffer; SGLang's torch_native decode gathers scattered pool slots every layer). No GPU here.
