@@ -212,9 +212,8 @@ Limits, plainly:
 - At batch 1 a width-8 verify costs 1.9x a plain step on this CPU: drafting could buy ~8% at most,
   so the planner decodes plainly (parity with offload-only, less 1-2% for measuring, exploring).
 - KIVI at 8 x 5-7k: unpacking costs more than the bytes saved; the planner decodes plainly (0.90x).
-- End to end, prefill included, VeriCache is about level with offload-only at 256 new tokens, and
-  offload-only alone is 1.5-2.4x plain SGLang (a row's full KV is read in place from its own host
-  buffer; SGLang's torch_native decode gathers scattered pool slots every layer). No GPU here.
+- End to end VeriCache is about level with offload-only at 256 new tokens, which is 1.5-2.4x plain
+  SGLang (full KV read in place from a host buffer; torch_native gathers pool slots). No GPU here.
 """
 
 CATEGORIES = ["attention (SDPA)", "linear layers", "LM head", "full-KV read", "other model ops",
