@@ -160,8 +160,8 @@ inline void block_values(const float* p, const float* vt, int64_t vs, int64_t nb
   }
 }
 
-// The largest of s[0 .. nb), nb >= 1 (max is exact: the same float as a scalar scan's, which
-// measured 2-8% of the verify's attention at 3-6 queries a row).
+// The largest of s[0 .. nb), nb >= 1: the same float as a scalar scan's (max is exact), taken
+// 8 lanes at a time (the whole kernel measured 1.05-1.13x faster at 3-6 queries a row).
 inline float block_max(const float* s, int64_t nb) {
   int64_t t = 0;
   float m = -INFINITY;
