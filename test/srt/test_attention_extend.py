@@ -13,11 +13,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-H_Q, H_KV, D, SLOTS, ROWS, MAX_LEN = 4, 2, 8, 256, 4, 128
+H_Q, H_KV, D, SLOTS, ROWS, MAX_LEN = 4, 2, 8, 4096, 4, 1024
 PREFIX, NEW = (37, 0), (5, 9)  # row 0 extends a 37-token prefix by 5, row 1 is a fresh prompt
 
 
-def _setup(dtype: torch.dtype = torch.float32):
+def _setup(dtype: torch.dtype = torch.float32, prefix: tuple[int, ...] = PREFIX,
+           new: tuple[int, ...] = NEW):  # fmt: skip
     from sglang.srt.layers.radix_attention import AttentionType
     from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
@@ -31,7 +32,7 @@ def _setup(dtype: torch.dtype = torch.float32):
     kv.get_value_buffer(0).copy_(torch.randn_like(kv.get_value_buffer(0)))
     rows = ReqToTokenPool(ROWS, MAX_LEN, "cpu", False)
     alloc = TokenToKVPoolAllocator(SLOTS, dtype, "cpu", kv, False)
-    seq = [p + n for p, n in zip(PREFIX, NEW)]
+    seq = [p + n for p, n in zip(prefix, new)]
     for row, n in enumerate(seq):  # every position's KV is already in the pool
         rows.req_to_token[row, :n] = alloc.alloc(n).to(torch.int32)
     runner = SimpleNamespace(device="cpu", req_to_token_pool=rows, token_to_kv_pool=kv)
@@ -42,11 +43,11 @@ def _setup(dtype: torch.dtype = torch.float32):
     batch = SimpleNamespace(
         forward_mode=ForwardMode.EXTEND, req_pool_indices=torch.arange(len(seq)),
         seq_lens=torch.tensor(seq), seq_lens_cpu=torch.tensor(seq),
-        extend_prefix_lens=torch.tensor(PREFIX), extend_seq_lens=torch.tensor(NEW),
-        extend_prefix_lens_cpu=list(PREFIX), extend_seq_lens_cpu=list(NEW), encoder_lens=None,
+        extend_prefix_lens=torch.tensor(prefix), extend_seq_lens=torch.tensor(new),
+        extend_prefix_lens_cpu=list(prefix), extend_seq_lens_cpu=list(new), encoder_lens=None,
         out_cache_loc=None,
     )  # fmt: skip
-    q = torch.randn(sum(NEW), H_Q * D)
+    q = torch.randn(sum(new), H_Q * D)
     return backend, layer, batch, q, (kv, rows, alloc)
 
 
@@ -90,6 +91,27 @@ def test_a_prefix_extend_reads_an_offloaded_prefix_from_its_host_buffer() -> Non
                                               min_tokens=1)
     assert bool((rows.req_to_token[0, :30] == PLACEHOLDER_SLOT).all())  # the pool has no copy
     got = backend.forward_extend(q, None, None, layer, batch, save_kv_cache=False)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("offloaded", [False, True])
+def test_a_prefill_chunk_attends_bit_for_bit_as_torch_native_does(offloaded: bool) -> None:
+    """A later prefill chunk (its new tokens most of its keys) and the fresh prompt batched with
+    it take torch_native's own computation, so chunked prefill keeps plain SGLang's KV to the
+    bit; a short extend of a long prefix keeps the masked path (close, not equal)."""
+    from sglang_vericache.compress.attend import PADDED_MIN_SHARE
+    from sglang_vericache.srt.kv.offloader import PoolOffloader
+
+    prefix, new = (300, 0, 600), (500, 700, 20)  # a later chunk, a fresh prompt, a radix hit
+    assert new[0] >= PADDED_MIN_SHARE * (prefix[0] + new[0]) and new[2] < PADDED_MIN_SHARE * 620
+    backend, layer, batch, q, (kv, rows, alloc) = _setup(prefix=prefix, new=new)
+    want = _torch_native(backend, q, layer, batch)
+    if offloaded:  # the chunk's prefix read from its host buffer, not the pool
+        PoolOffloader(kv, rows, alloc, 1).offload(0, owned_from=0, committed=prefix[0],
+                                                  compressed_bytes=0, min_tokens=1)  # fmt: skip
+    got = backend.forward_extend(q, None, None, layer, batch, save_kv_cache=False)
+    chunk_and_fresh = slice(0, new[0] + new[1])
+    assert torch.equal(got[chunk_and_fresh], want[chunk_and_fresh])
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 

@@ -44,7 +44,8 @@ from sglang.srt.layers.radix_attention import AttentionType
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 from torch.nn.functional import scaled_dot_product_attention
 
-from sglang_vericache.compress.attend import group_mask, grouped_sdpa
+from sglang_vericache.compress.attend import (PADDED_MIN_SHARE, group_mask, grouped_sdpa,
+                                              suffix_causal_sdpa)
 from sglang_vericache.ops.cpu_verify_decode import CpuVerifyDecode, load_cpu_verify_decode
 from sglang_vericache.srt.attention.draft_attention import DraftPlan
 from sglang_vericache.srt.context import open_context
@@ -186,8 +187,11 @@ class VeriCacheAttnBackend(TorchNativeAttnBackend):
             keys      0 ..................... end - n | ............ end
             query j   sees every key <= its position  | (causal within the new tokens)
 
-        q3: [sum(new), H_q, D]; returns [sum(new), H_q * D_v]. Queries go in blocks of at most
-        ``QUERY_BLOCK`` so the mask stays small at long contexts. ``shared_masks``: keep each
+        q3: [sum(new), H_q, D]; returns [sum(new), H_q * D_v]. A row whose new tokens are most
+        of its keys (``PADDED_MIN_SHARE``: a prefill chunk, or a fresh request batched with one)
+        takes ``suffix_causal_sdpa``, torch_native's own computation; the others go masked, in
+        blocks of at most ``QUERY_BLOCK`` queries so the mask stays small at long contexts.
+        ``shared_masks`` (a verify: always masked): keep each
         row's mask for the forward's other layers (a verify's few queries per row; a long
         prefix extend's masks would be large, and its attention dwarfs building them)."""
         self._write_kv(layer, fb, k, v, save_kv_cache)
@@ -200,6 +204,12 @@ class VeriCacheAttnBackend(TorchNativeAttnBackend):
             if self.clock is not None and _copied(keys):  # gathered, not read in place
                 self.clock.note_transient(2 * keys.numel() * keys.element_size())
             keys, values = keys.to(q3.dtype), values.to(q3.dtype)  # once per row, not per block
+            if not shared_masks and n >= PADDED_MIN_SHARE * end:  # a prefill chunk, mostly new
+                qi = q3[start : start + n].transpose(0, 1)
+                out[start : start + n] = suffix_causal_sdpa(qi, keys, values,
+                                                            layer.scaling).transpose(0, 1)
+                start += n
+                continue
             for lo in range(0, n, QUERY_BLOCK):
                 hi = min(n, lo + QUERY_BLOCK)
                 qi = q3[start + lo : start + hi].transpose(0, 1)  # [H_q, hi - lo, D]
