@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import subprocess
 import sys
@@ -203,7 +204,8 @@ def section_titles() -> list[str]:
 
 
 def anchor(title: str) -> str:
-    return "#" + title.lower().replace(" ", "-")
+    """GitHub's heading slug: lower case, punctuation dropped, spaces to hyphens."""
+    return "#" + re.sub(r"[^\w\- ]", "", title.lower()).replace(" ", "-")
 
 
 INTRO = """
@@ -224,6 +226,7 @@ def headline(res: Results) -> list[str]:
     rows: list[tuple[str, str, str, str]] = []
 
     from benchmark.results_page_robustness import latest_fuzz
+    from benchmark.results_page_serving import serving_headline
     from benchmark.results_page_tier import gateway_headline
 
     sweep = res.load("exactness/sweep.json") or []
@@ -276,6 +279,7 @@ def headline(res: Results) -> list[str]:
                   + "; at batch 1 the planner decodes plainly (parity)")  # fmt: skip
         rows.append(("Does drafting pay at short contexts?", answer,
                      res.date("budget_mid_rounds.json"), "Capacity and budget sweep"))  # fmt: skip
+    rows += serving_headline(res)
 
     rp = res.load("remote_prefix.json")
     if rp:

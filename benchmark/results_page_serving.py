@@ -66,3 +66,29 @@ def serving(res: Results) -> list[str]:
     links = res.links(*(n.replace(".json", ".md") for n in GRIDS))
     text = prose(TEXT) + ([f"Per cell (TTFT, TPOT, ratios by round): {links}."] if links else [])
     return text + [""] + table(HEAD, found)
+
+
+def serving_headline(res: Results) -> list[tuple[str, str, str, str]]:
+    """The headline row: every grid cell's ratio (median over its rounds), the lowest named."""
+    cells = [(name, c) for name in GRIDS if (report := res.load(name))
+             for c in report["cells"] if c.get("summary")]  # fmt: skip
+    if not cells:
+        return []
+    ratios = [c["summary"]["ratio"]["output_throughput"] for _, c in cells]
+    low_name, low = min(cells, key=lambda nc: nc[1]["summary"]["ratio"]["output_throughput"])
+    paired = sum(len(c["summary"]["ratio_by_round"]["output_throughput"]) > 1 for _, c in cells)
+    same = [c["summary"]["identical"].get("vericache", {}) for _, c in cells]
+    def kinds(key: str) -> str:
+        return "/".join(str(v) for v in sorted({c[key] for _, c in cells}))
+
+    answer = (f"`python -m sglang.benchmark.serving`, VeriCache's output tok/s over the better of "
+              f"plain SGLang and offload-only in {len(cells)} cells (inputs {kinds('input_len')}, "
+              f"concurrency {kinds('concurrency')}, {kinds('dataset')}, budgets "
+              f"{kinds('budget')}; {paired} in paired rounds): "
+              f"**{min(ratios):.2f}-{max(ratios):.2f}x**, lowest at "
+              f"{low['input_len']} / c{low['concurrency']} `{low['dataset']}`; "
+              f"{sum(s.get('same', 0) for s in same)}/{sum(s.get('total', 0) for s in same)} "
+              "texts identical")  # fmt: skip
+    dates = sorted(res.date(name) for name, _ in cells)
+    return [("Is it ahead on SGLang's own benchmark?", answer, dates[-1],
+             "Serving through SGLang's client")]  # fmt: skip
