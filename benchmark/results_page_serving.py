@@ -14,8 +14,8 @@ from benchmark.results_page import Results, Row, prose, table
 
 NAME = "serving_grid.json"
 # the grid's runs so far, each a part of the grid (one machine runs a few cells an hour); NAME's
-# single rounds at 4k / c8 are superseded by the paired runs of the 4k files
-GRIDS = ("serving_grid_1k.json", "serving_grid_1k_c8.json", "serving_grid_4k_random.json",
+# single rounds (4k / c8; 1k / c1, c16: serving_grid_1k.json) are superseded by paired runs
+GRIDS = ("serving_grid_1k_paired.json", "serving_grid_1k_c8.json", "serving_grid_4k_random.json",
          "serving_grid_4k_c8_custom.json", "serving_grid_4k_c16.json", "serving_grid_7k.json")
 COMMAND = "python benchmark/serving_grid.py"
 SERVERS = ("plain", "offload-only", "vericache")
