@@ -141,9 +141,10 @@ def test_a_failed_server_leaves_no_ratio_and_identical_counts_positions() -> Non
 
 def test_the_results_page_section_from_a_report_and_without_one(tmp_path: Path) -> None:
     from benchmark.results_page import Results
-    from benchmark.results_page_serving import serving
+    from benchmark.results_page_serving import GRIDS, serving, serving_headline
 
     not_run = serving(Results(tmp_path))[0]
+    assert serving_headline(Results(tmp_path)) == []
     assert not_run.startswith("Not yet run: `python benchmark/serving_grid.py`")
     cells = []
     for n, c, r in ((1024, 1, 1.1), (1024, 8, 1.3), (4096, 1, 0.9)):
@@ -152,9 +153,13 @@ def test_the_results_page_section_from_a_report_and_without_one(tmp_path: Path) 
                       "concurrency": c, "summary": summary})
     report = {"date": "2027-01-02", "command": "python benchmark/serving_grid.py --rounds 1",
               "cells": cells}
-    (tmp_path / "serving_grid.json").write_text(json.dumps(report))
+    (tmp_path / GRIDS[0]).write_text(json.dumps(report))
     lines = serving(Results(tmp_path))
     row = next(line for line in lines if line.startswith("| tight |"))
     assert "1024: 1.10, 1.30; 4096: 0.90" in row
     assert "100.0 / 120.0 / 108.0 (in 4096, c1)" in row and "| 12/12 |" in row
     assert "2027-01-02" in row and "`python benchmark/serving_grid.py --rounds 1`" in row
+    [(question, answer, date, section)] = serving_headline(Results(tmp_path))
+    assert "3 cells" in answer and "0 in paired rounds" in answer
+    assert "**0.90-1.30x**, lowest at 4096 / c1 `random-ids`" in answer and "12/12" in answer
+    assert date == "2027-01-02" and section == "Serving through SGLang's client"
