@@ -98,7 +98,7 @@ def test_a_prefix_extend_reads_an_offloaded_prefix_from_its_host_buffer() -> Non
 def test_a_prefill_chunk_attends_bit_for_bit_as_torch_native_does(offloaded: bool) -> None:
     """A later prefill chunk (its new tokens most of its keys) and the fresh prompt batched with
     it take torch_native's own computation, so chunked prefill keeps plain SGLang's KV to the
-    bit; a short extend of a long prefix keeps the masked path (close, not equal)."""
+    bit; a short extend of a long prefix keeps the masked path."""
     from sglang_vericache.compress.attend import PADDED_MIN_SHARE
     from sglang_vericache.srt.kv.offloader import PoolOffloader
 

@@ -81,9 +81,10 @@ def suffix_causal_sdpa(q: Tensor, keys: Tensor, values: Tensor, scale: float) ->
     The padding's rows are work thrown away, but flash attention needs no mask and skips the
     blocks above the diagonal: at SmolLM2's 9/3 heads on 2 threads it costs ~16 ns per
     (row, key) pair under the diagonal, T^2 / 2 pairs, against ~21 ns for each of the n * T
-    pairs of a masked SDPA (math path), so it is the cheaper one once n >= ~0.4 T
-    (``PADDED_MIN_SHARE``). The same call on the same values as torch_native gives the same
-    floats, so a chunked prefill keeps plain SGLang's KV.
+    pairs of a masked SDPA (which reads its mask and skips no block), so it is the cheaper one
+    once n >= ~0.4 T (``PADDED_MIN_SHARE``). The same call on the same values as torch_native
+    gives the same floats, so a chunked prefill keeps plain SGLang's KV (the masked SDPA gave
+    equal floats too on every shape compared: the choice is speed only).
 
     q: [H_q, n, D]; keys, values: [H_kv, T, D] in q's dtype, H_q a multiple of H_kv.
     Returns [H_q, n, D_v] (a view into the padded output).
