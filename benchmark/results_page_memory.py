@@ -209,8 +209,7 @@ verified row, and a draft forward's time. Prompts are cut to at most the stated 
 STEP_LIMITS = """
 Limits, plainly:
 - First row: lookup drafts in 52 of 61 steps (56% accepted); earlier code gave 1.93x / 1.84x.
-- At batch 1 a width-8 verify costs 1.9x a plain step on this CPU: drafting could buy ~8% at most,
-  so the planner decodes plainly (parity with offload-only, less 1-2% for measuring, exploring).
+- Batch 1: a width-8 verify costs 1.9x a plain step here; the planner decodes plainly (parity).
 - KIVI at 8 x 5-7k: unpacking costs more than the bytes saved; the planner decodes plainly (0.90x).
 - End to end VeriCache is about level with offload-only at 256 new tokens, which is 1.5-2.4x plain
   SGLang (full KV read in place from a host buffer; torch_native gathers pool slots). No GPU here.

@@ -17,7 +17,7 @@ NAME = "serving_grid.json"
 # single rounds (4k / c8; 1k / c1, c16: serving_grid_1k.json) are superseded by paired runs
 GRIDS = ("serving_grid_1k_paired.json", "serving_grid_1k_c8.json", "serving_grid_4k_random.json",
          "serving_grid_4k_c8_custom.json", "serving_grid_4k_c16.json", "serving_grid_4k_tight.json",
-         "serving_grid_7k.json")
+         "serving_grid_1k_tight.json", "serving_grid_7k.json")
 COMMAND = "python benchmark/serving_grid.py"
 SERVERS = ("plain", "offload-only", "vericache")
 
@@ -88,7 +88,7 @@ def serving_headline(res: Results) -> list[tuple[str, str, str, str]]:
               f"plain SGLang and offload-only in {len(cells)} cells (inputs {kinds('input_len')}, "
               f"concurrency {kinds('concurrency')}, {kinds('dataset')}, budgets "
               f"{kinds('budget')}; {paired} in paired rounds): "
-              f"**{min(ratios):.2f}-{max(ratios):.2f}x**, lowest at "
+              f"**{min(ratios):.2f}-{max(ratios):.2f}x**, lowest at {low['budget']} "
               f"{low['input_len']} / c{low['concurrency']} `{low['dataset']}`; "
               f"{sum(s.get('same', 0) for s in same)}/{sum(s.get('total', 0) for s in same)} "
               "texts identical")  # fmt: skip

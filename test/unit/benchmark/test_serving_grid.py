@@ -161,5 +161,5 @@ def test_the_results_page_section_from_a_report_and_without_one(tmp_path: Path) 
     assert "2027-01-02" in row and "`python benchmark/serving_grid.py --rounds 1`" in row
     [(question, answer, date, section)] = serving_headline(Results(tmp_path))
     assert "3 cells" in answer and "0 in paired rounds" in answer
-    assert "**0.90-1.30x**, lowest at 4096 / c1 `random-ids`" in answer and "12/12" in answer
+    assert "**0.90-1.30x**, lowest at tight 4096 / c1 `random-ids`" in answer and "12/12" in answer
     assert date == "2027-01-02" and section == "Serving through SGLang's client"
