@@ -48,12 +48,16 @@ def rows(res: Results, report: dict[str, Any], name: str = NAME) -> list[Row]:
         top = max(cells, key=lambda c: (c["input_len"], c["concurrency"]))
         figures = " / ".join(_num(top["summary"]["servers"].get(s, {}).get("output_throughput"),
                                   ".1f") for s in SERVERS)  # fmt: skip
-        same = [c["summary"]["identical"].get("vericache", {}) for c in cells]
-        identical = f"{sum(s.get('same', 0) for s in same)}/{sum(s.get('total', 0) for s in same)}"
         out.append(res.row(name, [budget, f"`{dataset}`", ratios,
                                   f"{figures} (in {top['input_len']}, c{top['concurrency']})",
-                                  identical], report.get("command", COMMAND)))  # fmt: skip
+                                  _identical(cells)], report.get("command", COMMAND)))  # fmt: skip
     return out
+
+
+def _identical(cells: list[dict[str, Any]]) -> str:
+    """'same/total' of VeriCache's texts against plain SGLang's over ``cells``."""
+    same = [c["summary"]["identical"].get("vericache", {}) for c in cells]
+    return f"{sum(s.get('same', 0) for s in same)}/{sum(s.get('total', 0) for s in same)}"
 
 
 def serving(res: Results) -> list[str]:
@@ -73,25 +77,26 @@ def serving(res: Results) -> list[str]:
 
 def serving_headline(res: Results) -> list[tuple[str, str, str, str]]:
     """The headline row: every grid cell's ratio (median over its rounds), the lowest named."""
-    cells = [(name, c) for name in GRIDS if (report := res.load(name))
-             for c in report["cells"] if c.get("summary")]  # fmt: skip
+    found = {name: cells for name in GRIDS if (report := res.load(name))
+             if (cells := [c for c in report["cells"] if c.get("summary")])}  # fmt: skip
+    cells = [c for name_cells in found.values() for c in name_cells]
     if not cells:
         return []
-    ratios = [c["summary"]["ratio"]["output_throughput"] for _, c in cells]
-    low_name, low = min(cells, key=lambda nc: nc[1]["summary"]["ratio"]["output_throughput"])
-    paired = sum(len(c["summary"]["ratio_by_round"]["output_throughput"]) > 1 for _, c in cells)
-    same = [c["summary"]["identical"].get("vericache", {}) for _, c in cells]
-    def kinds(key: str) -> str:
-        return "/".join(str(v) for v in sorted({c[key] for _, c in cells}))
 
+    def ratio(c: dict[str, Any]) -> float:
+        return c["summary"]["ratio"]["output_throughput"]
+
+    def kinds(key: str) -> str:
+        return "/".join(str(v) for v in sorted({c[key] for c in cells}))
+
+    low, high = min(cells, key=ratio), max(cells, key=ratio)
+    paired = sum(len(c["summary"]["ratio_by_round"]["output_throughput"]) > 1 for c in cells)
     answer = (f"`python -m sglang.benchmark.serving`, VeriCache's output tok/s over the better of "
               f"plain SGLang and offload-only in {len(cells)} cells (inputs {kinds('input_len')}, "
               f"concurrency {kinds('concurrency')}, {kinds('dataset')}, budgets "
               f"{kinds('budget')}; {paired} in paired rounds): "
-              f"**{min(ratios):.2f}-{max(ratios):.2f}x**, lowest at {low['budget']} "
+              f"**{ratio(low):.2f}-{ratio(high):.2f}x**, lowest at {low['budget']} "
               f"{low['input_len']} / c{low['concurrency']} `{low['dataset']}`; "
-              f"{sum(s.get('same', 0) for s in same)}/{sum(s.get('total', 0) for s in same)} "
-              "texts identical")  # fmt: skip
-    dates = sorted(res.date(name) for name, _ in cells)
-    return [("Is it ahead on SGLang's own benchmark?", answer, dates[-1],
+              f"{_identical(cells)} texts identical")  # fmt: skip
+    return [("Is it ahead on SGLang's own benchmark?", answer, max(map(res.date, found)),
              "Serving through SGLang's client")]  # fmt: skip
