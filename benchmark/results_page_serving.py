@@ -89,14 +89,19 @@ def serving_headline(res: Results) -> list[tuple[str, str, str, str]]:
     def kinds(key: str) -> str:
         return "/".join(str(v) for v in sorted({c[key] for c in cells}))
 
-    low, high = min(cells, key=ratio), max(cells, key=ratio)
+    rated = [c for c in cells if ratio(c) is not None]  # None: a server failed in the cell
+    if not rated:
+        return []
+    low, high = min(rated, key=ratio), max(rated, key=ratio)
+    unrated = len(cells) - len(rated)
+    failed = f" ({unrated} without a ratio: a server failed)" if unrated else ""
     paired = sum(len(c["summary"]["ratio_by_round"]["output_throughput"]) > 1 for c in cells)
     answer = (f"`python -m sglang.benchmark.serving`, VeriCache's output tok/s over the better of "
               f"plain SGLang and offload-only in {len(cells)} cells (inputs {kinds('input_len')}, "
               f"concurrency {kinds('concurrency')}, {kinds('dataset')}, budgets "
               f"{kinds('budget')}; {paired} in paired rounds): "
               f"**{ratio(low):.2f}-{ratio(high):.2f}x**, lowest at {low['budget']} "
-              f"{low['input_len']} / c{low['concurrency']} `{low['dataset']}`; "
+              f"{low['input_len']} / c{low['concurrency']} `{low['dataset']}`{failed}; "
               f"{_identical(cells)} texts identical")  # fmt: skip
     return [("Is it ahead on SGLang's own benchmark?", answer, max(map(res.date, found)),
              "Serving through SGLang's client")]  # fmt: skip

@@ -163,3 +163,10 @@ def test_the_results_page_section_from_a_report_and_without_one(tmp_path: Path) 
     assert "3 cells" in answer and "0 in paired rounds" in answer
     assert "**0.90-1.30x**, lowest at tight 4096 / c1 `random-ids`" in answer and "12/12" in answer
     assert date == "2027-01-02" and section == "Serving through SGLang's client"
+    failed = _round(100, 120, 150, (1, 1, 1))
+    failed["servers"][plan.VERICACHE] = {"error": "server start: boom"}
+    cells.append({"budget": "ample", "dataset": "custom", "input_len": 7168, "concurrency": 8,
+                  "summary": plan.summarize_cell([failed])})  # fmt: skip
+    (tmp_path / GRIDS[0]).write_text(json.dumps({**report, "cells": cells}))
+    [(_, answer, _, _)] = serving_headline(Results(tmp_path))
+    assert "**0.90-1.30x**, lowest at tight 4096 / c1 `random-ids` (1 without a ratio" in answer
