@@ -1,6 +1,7 @@
 """The batched CPU verify-attention kernel (``ops/cpu_verify_decode.py``) against a float64
 reference and torch's SDPA, over the layouts a verify reads: a host buffer's rows in place, a
-pool's slot-major buffer, rows of every length (shorter than a key block, one block, many)."""
+pool's slot-major buffer, rows of every length (shorter than a key block, one block, many),
+rows with as many queries as the batch's width or fewer (ragged)."""
 
 from __future__ import annotations
 
@@ -33,6 +34,12 @@ def _reference(q: torch.Tensor, keys, values, scale: float) -> torch.Tensor:
     return out
 
 
+def _call(kernel: CpuVerifyDecode, q: torch.Tensor, keys, values, scale: float) -> torch.Tensor:
+    """The kernel on a full-width batch: q [B, n, H_q, D] -> [B, n, H_q, D]."""
+    b_, n, h_q, d = q.shape
+    return kernel(q.reshape(b_ * n, h_q, d), keys, values, scale, [n] * b_).view(q.shape)
+
+
 def _host_rows(lengths, h_kv: int, d: int, room: int, gen: torch.Generator):
     """Views [H_kv, T, D] of wider buffers [2, H_kv, T + room, D], as a host buffer is read."""
     keys, values = [], []
@@ -51,8 +58,8 @@ def test_kernel_matches_the_reference_over_host_rows(kernel, h_q: int, h_kv: int
     lengths = [700, n, 63, 64, 65, 1500]
     keys, values = _host_rows(lengths, h_kv, d, 37, gen)
     q = torch.randn(len(lengths), n, h_q, d, generator=gen)
-    assert kernel.accepts(q, keys, values)
-    got = kernel(q, keys, values, d**-0.5)
+    assert kernel.accepts(q.flatten(0, 1), keys, values, [n] * len(lengths))
+    got = _call(kernel, q, keys, values, d**-0.5)
     assert got.shape == q.shape and got.dtype == torch.float32
     torch.testing.assert_close(got.double(), _reference(q, keys, values, d**-0.5), rtol=1e-5,
                                atol=2e-6)  # fmt: skip
@@ -64,7 +71,7 @@ def test_kernel_agrees_with_sdpa_as_the_verify_calls_it(kernel) -> None:
     n, h_q, h_kv, d = 6, 9, 3, 64
     keys, values = _host_rows([2000, 513], h_kv, d, 64, gen)
     q = torch.randn(2, n, h_q, d, generator=gen)
-    got = kernel(q, keys, values, 0.125)
+    got = _call(kernel, q, keys, values, 0.125)
     for b, (k, v) in enumerate(zip(keys, values)):
         t = k.shape[1]
         mask = torch.arange(t)[None] <= torch.arange(t - n, t)[:, None]
@@ -81,7 +88,7 @@ def test_keys_split_in_chunks_give_the_same_attention(kernel, monkeypatch,
     gen = torch.Generator().manual_seed(11)
     keys, values = _host_rows([3000], 3, 64, 0, gen)
     q = torch.randn(1, 4, 9, 64, generator=gen)
-    got = kernel(q, keys, values, 0.125)
+    got = _call(kernel, q, keys, values, 0.125)
     torch.testing.assert_close(got.double(), _reference(q, keys, values, 0.125), rtol=1e-5,
                                atol=2e-6)  # fmt: skip
 
@@ -92,55 +99,62 @@ def test_a_pool_buffer_is_read_with_its_token_stride(kernel) -> None:
     pool = torch.randn(2, 300, 3, 64, generator=gen)
     keys, values = [pool[0, 10:210].transpose(0, 1)], [pool[1, 10:210].transpose(0, 1)]
     q = torch.randn(1, 3, 9, 64, generator=gen)
-    assert kernel.accepts(q, keys, values)
-    torch.testing.assert_close(kernel(q, keys, values, 0.125).double(),
+    assert kernel.accepts(q[0], keys, values, [3])
+    torch.testing.assert_close(_call(kernel, q, keys, values, 0.125).double(),
                                _reference(q, keys, values, 0.125), rtol=1e-5, atol=2e-6)
 
 
 def test_what_the_kernel_refuses(kernel) -> None:
-    q = torch.randn(1, 4, 9, 64)
+    q = torch.randn(4, 9, 64)
     keys = [torch.randn(3, 100, 64)]
-    assert not kernel.accepts(q.double(), keys, keys)
-    assert not kernel.accepts(q, [keys[0][:, :3]], [keys[0][:, :3]])  # fewer keys than queries
-    assert not kernel.accepts(q, [keys[0].transpose(1, 2)], keys)  # strided channels
+    assert not kernel.accepts(q.double(), keys, keys, [4])
+    assert not kernel.accepts(q, [keys[0][:, :3]], [keys[0][:, :3]], [4])  # fewer keys than queries
+    assert not kernel.accepts(q, [keys[0].transpose(1, 2)], keys, [4])  # strided channels
     with pytest.raises(RuntimeError, match="multiple of H_kv"):
-        kernel(torch.randn(1, 4, 8, 64), keys, keys, 0.125)
+        kernel(torch.randn(4, 8, 64), keys, keys, 0.125, [4])
+    with pytest.raises(RuntimeError, match="the counts sum to 3"):
+        kernel(q, keys, keys, 0.125, [3])
+    with pytest.raises(RuntimeError, match="at least 1"):
+        kernel(q, keys * 2, keys * 2, 0.125, [4, 0])
+    with pytest.raises(RuntimeError, match="one query count"):
+        kernel(q, keys * 2, keys * 2, 0.125, [4])
 
 
-@pytest.mark.parametrize("items_per_thread", [1, 64])
-def test_live_queries_are_computed_as_in_a_full_call_and_the_rest_is_zero(
-        kernel, monkeypatch, items_per_thread: int) -> None:  # fmt: skip
-    """A row verifying fewer drafts than the batch's width: its live queries' output is bit for
-    bit the full call's (each query's computation is its own), the padding's is zero."""
-    monkeypatch.setattr(cpu_verify_decode, "ITEMS_PER_THREAD", items_per_thread)
+def test_ragged_rows_attend_as_each_row_alone(kernel, monkeypatch) -> None:
+    """A row verifying fewer drafts than the batch's width brings only its queries, its keys
+    through its last: its output is bit for bit what the row gets in a call of its own (each
+    query's arithmetic is its own; keys in one chunk, as a batch this size splits none)."""
+    monkeypatch.setattr(cpu_verify_decode, "ITEMS_PER_THREAD", 1)
     gen = torch.Generator().manual_seed(5)
-    keys, values = _host_rows([900, 5, 130], 3, 64, 9, gen)
-    q = torch.randn(3, 5, 9, 64, generator=gen)
-    full = kernel(q, keys, values, 0.125)
-    live = [1, 5, 3]
-    got = kernel(q, keys, values, 0.125, live=live)
-    for b, k in enumerate(live):
-        assert torch.equal(got[b, :k], full[b, :k])
-        assert not got[b, k:].any()
-    with pytest.raises(RuntimeError, match="live counts"):
-        kernel(q, keys, values, 0.125, live=[0, 5, 3])
-    with pytest.raises(RuntimeError, match="one query count per row"):
-        kernel(q, keys, values, 0.125, live=[1, 2])
+    lengths, counts = [900, 5, 130], [1, 5, 3]
+    keys, values = _host_rows(lengths, 3, 64, 9, gen)
+    q = torch.randn(sum(counts), 9, 64, generator=gen)
+    got = kernel(q, keys, values, 0.125, counts)
+    first = 0
+    for b, n in enumerate(counts):
+        alone = kernel(q[first : first + n], keys[b : b + 1], values[b : b + 1], 0.125, [n])
+        assert torch.equal(got[first : first + n], alone), b
+        one_row = q[first : first + n].unsqueeze(0)
+        torch.testing.assert_close(alone.double(), _reference(one_row, keys[b : b + 1],
+                                                              values[b : b + 1], 0.125)[0],
+                                   rtol=1e-5, atol=2e-6)  # fmt: skip
+        first += n
 
 
 @pytest.mark.parametrize("poison", [float("nan"), float("inf")])
-def test_keys_and_values_past_a_query_are_never_read(kernel, poison: float) -> None:
-    """A ragged verify leaves the slots past a row's live queries unwritten: whatever they hold
-    (NaN, inf) must not reach a live query's output (0 * NaN is NaN in a value sum)."""
+def test_nothing_past_a_rows_keys_is_read(kernel, poison: float) -> None:
+    """A row's keys are a view of a wider host buffer whose columns past the view hold whatever
+    the buffer last held (slots not written this step): none of it may reach the output."""
     gen = torch.Generator().manual_seed(11)
-    lengths, n, live = [700, 6, 130], 6, [2, 6, 1]
-    keys, values = _host_rows(lengths, 3, 64, 9, gen)
-    q = torch.randn(len(lengths), n, 9, 64, generator=gen)
-    clean = kernel(q, keys, values, 0.125, live=live)
-    for b, (t, k) in enumerate(zip(lengths, live)):
-        keys[b][:, t - n + k :] = poison
-        values[b][:, t - n + k :] = poison
-    got = kernel(q, keys, values, 0.125, live=live)
+    lengths, counts = [700, 6, 130], [2, 6, 1]
+    bufs = [torch.randn(2, 3, t + 70, 64, generator=gen) for t in lengths]
+    keys = [buf[0, :, :t] for buf, t in zip(bufs, lengths)]
+    values = [buf[1, :, :t] for buf, t in zip(bufs, lengths)]
+    q = torch.randn(sum(counts), 9, 64, generator=gen)
+    clean = kernel(q, keys, values, 0.125, counts)
+    for buf, t in zip(bufs, lengths):
+        buf[:, :, t:] = poison
+    got = kernel(q, keys, values, 0.125, counts)
     assert torch.isfinite(got).all()
     assert torch.equal(got, clean)
 
@@ -155,16 +169,18 @@ def test_a_query_computed_beside_others_equals_it_computed_alone(kernel, h_q: in
     lengths, n = [300, 7, 64, 129], 7
     keys, values = _host_rows(lengths, h_kv, d, 5, gen)
     q = torch.randn(len(lengths), n, h_q, d, generator=gen) * 2
-    out = torch.empty_like(q)
-    kernel.module.verify_decode(q, keys, values, out, d**-0.5, 1, [])  # keys in one chunk
+    out = torch.empty(len(lengths) * n, h_q, d)
+    kernel.module.verify_decode(q.reshape(-1, h_q, d), keys, values, out, d**-0.5, 1,
+                                [n] * len(lengths))  # keys in one chunk  # fmt: skip
+    out = out.view(q.shape)
     group = h_q // h_kv
     for b, t in enumerate(lengths):
         for i in range(n):
             for h in range(h_q):
                 seen = t - n + i + 1
-                alone = torch.empty(1, 1, 1, d)
-                kernel.module.verify_decode(q[b : b + 1, i : i + 1, h : h + 1].contiguous(),
+                alone = torch.empty(1, 1, d)
+                kernel.module.verify_decode(q[b, i : i + 1, h : h + 1].contiguous(),
                                             [keys[b][h // group : h // group + 1, :seen]],
                                             [values[b][h // group : h // group + 1, :seen]],
-                                            alone, d**-0.5, 1, [])  # fmt: skip
-                assert torch.equal(alone[0, 0, 0], out[b, i, h]), (b, i, h)
+                                            alone, d**-0.5, 1, [1])  # fmt: skip
+                assert torch.equal(alone[0, 0], out[b, i, h]), (b, i, h)

@@ -202,8 +202,8 @@ def test_a_verify_on_the_cpu_kernel_attends_as_the_sdpa_loop_does() -> None:
 @pytest.mark.parametrize("kernel", [True, False])
 def test_a_ragged_verify_attends_each_rows_live_queries_as_a_full_width_one(kernel: bool) -> None:
     """A row verifying fewer drafts than the width brings only its 1 + drafts queries
-    (``live_queries`` / ``kept_columns``; the forward's rows ragged): their attention is the
-    full-width verify's, on the kernel and on the SDPA loop."""
+    (``live_queries``; the forward's rows ragged): their attention is the full-width verify's,
+    on the kernel and on the SDPA loop."""
     from sglang_vericache.srt.decode.batch_inputs import live_index
 
     backend, layer, batch, _, _ = _setup()
@@ -215,11 +215,11 @@ def test_a_ragged_verify_attends_each_rows_live_queries_as_a_full_width_one(kern
     full = backend.forward_extend(q, None, None, layer, fb, save_kv_cache=False)
     kept = live_index(live, w, "cpu")
     ragged_fb, _ = _verify(batch, bases, w)
-    backend.live_queries, backend.kept_columns = live, kept
+    backend.live_queries = live
     try:
         ragged = backend.forward_extend(q[kept], None, None, layer, ragged_fb, save_kv_cache=False)
     finally:
-        backend.live_queries = backend.kept_columns = None
+        backend.live_queries = None
     assert ragged.shape == (sum(live), H_Q * D)
     torch.testing.assert_close(ragged, full[kept], rtol=1e-5, atol=1e-6)
 

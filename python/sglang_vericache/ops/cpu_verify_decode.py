@@ -1,15 +1,18 @@
 """Batched verify attention on CPU: every row's verify queries over its full KV in one call.
 
-A verify gives each row n = 1 + drafts queries at positions base .. base + n - 1, each over
-the row's full KV through its own position (``srt/attention/backend.py``). Through torch's SDPA that is
-one call per row and layer, each an OpenMP region over only H_kv work items (3 for SmolLM2: one
-of two threads idles a third of the time), a bool mask per call, and torch's general GEMM
-over 18 x 64 query blocks. ``csrc/verify_decode.cpp`` runs every (row, KV head, chunk of keys)
-of a layer in one region, reads each key and value once for all G * n queries of its head
+A verify gives row b n_b = 1 + drafts queries at positions base .. base + n_b - 1, each over
+the row's full KV through its own position (``srt/attention/backend.py``). Through torch's
+SDPA that is one call per row and layer, each an OpenMP region over only H_kv work items (3 for
+SmolLM2: one of two threads idles a third of the time), a bool mask per call, and torch's
+general GEMM over 18 x 64 query blocks. ``csrc/verify_decode.cpp`` runs every (row, KV head, chunk of keys)
+of a layer in one region, reads each key and value once for all G * n_b queries of its head
 group, and computes in float32 with AVX2 (an online softmax over blocks of 64 keys, a
-vectorized exp within 2 ulp of ``std::exp``)::
+vectorized exp within 2 ulp of ``std::exp``). The queries are ragged, as the verify forward
+computes them (a row drafting less than the batch's width has fewer: no padding to spread in or
+gather out per layer)::
 
-    q, out               [B, n, H_q, D] float32, contiguous (row b's query i at T_b - n + i)
+    q, out               [sum n_b, H_q, D] float32, contiguous; row b's queries follow row b - 1's,
+                         its query i at T_b - n_b + i
     keys[b], values[b]   [H_kv, T_b, D] float32, strides [*, *, 1]: the host buffer in place
 
 Measured on 2 AVX2 cores, 6 queries a row over 6.3k keys (SmolLM2's 9/3 heads, D 64): 1.00 ms
@@ -46,29 +49,28 @@ class CpuVerifyDecode:
     module: Any
 
     @staticmethod
-    def accepts(q: Tensor, keys: Sequence[Tensor], values: Sequence[Tensor]) -> bool:
+    def accepts(q: Tensor, keys: Sequence[Tensor], values: Sequence[Tensor],
+                counts: Sequence[int]) -> bool:  # fmt: skip
         """Whether ``__call__`` takes these: float32 on the CPU, each token's channels
         contiguous, every row at least as long as its queries."""
-        if q.device.type != "cpu" or q.dtype != torch.float32 or q.dim() != 4:
+        if q.device.type != "cpu" or q.dtype != torch.float32 or q.dim() != 3:
             return False
         return all(t.device.type == "cpu" and t.dtype == torch.float32 and t.dim() == 3
-                   and t.stride(2) == 1 and t.shape[1] >= q.shape[1]
-                   for t in (*keys, *values))  # fmt: skip
+                   and t.stride(2) == 1 and t.shape[1] >= n
+                   for n, k, v in zip(counts, keys, values) for t in (k, v))  # fmt: skip
 
     def __call__(self, q: Tensor, keys: Sequence[Tensor], values: Sequence[Tensor],
-                 scale: float, live: Sequence[int] | None = None) -> Tensor:  # fmt: skip
+                 scale: float, counts: Sequence[int]) -> Tensor:  # fmt: skip
         """softmax(q K^T * scale + causal) V per row, grouped-query heads (H_q a multiple of
-        H_kv). q: [B, n, H_q, D], row b's query i at position T_b - n + i seeing keys
-        0 .. T_b - n + i; keys[b], values[b]: [H_kv, T_b, D]. ``live``: per row, how many of its
-        first queries to compute (in [1, n]; a row verifying fewer drafts than the batch's
-        width pads the rest, whose output nobody reads): the others' output is zero; None:
-        all. Returns [B, n, H_q, D]."""
+        H_kv). q: [sum(counts), H_q, D], row b's ``counts[b]`` queries after row b - 1's, its
+        query i at position T_b - counts[b] + i seeing keys 0 .. T_b - counts[b] + i;
+        keys[b], values[b]: [H_kv, T_b, D]. Returns [sum(counts), H_q, D]."""
         q = q.contiguous()
         out = torch.empty_like(q)
-        items = q.shape[0] * max(1, keys[0].shape[0]) if len(keys) else 1
+        items = len(keys) * max(1, keys[0].shape[0]) if len(keys) else 1
         chunks = max(1, math.ceil(ITEMS_PER_THREAD * torch.get_num_threads() / items))
         self.module.verify_decode(q, list(keys), list(values), out, float(scale), chunks,
-                                  [] if live is None else [int(k) for k in live])  # fmt: skip
+                                  [int(n) for n in counts])  # fmt: skip
         return out
 
 

@@ -1,15 +1,17 @@
-// Batched verify attention on CPU: every row's n queries (its last committed token and its
-// drafts) over its full KV, causal within the last n keys, in one parallel region per layer
+// Batched verify attention on CPU: every row's n_b queries (its last committed token and its
+// drafts) over its full KV, causal within the last n_b keys, in one parallel region per layer
 // (``ops/cpu_verify_decode.py`` says why; built with ``draft_decode.cpp``: ``ops/cpu_kernels.py``).
 //
-// Row b's keys and values are [H_kv, T_b, D] (its full KV through this step's drafts, where it
-// lies: a host buffer or a gather, any head and token stride, unit channel stride); its query i
-// is at position T_b - n + i and sees keys 0 .. T_b - n + i:
+// The queries are ragged, as the verify forward computes them (rows drafting less than the
+// batch's width have fewer): row b's n_b queries are rows q0_b .. q0_b + n_b - 1 of q
+// (q0_b = n_0 + ... + n_{b-1}). Row b's keys and values are [H_kv, T_b, D] (its full KV
+// through its last query, where it lies: a host buffer or a gather, any head and token stride,
+// unit channel stride); its query i is at position T_b - n_b + i and sees keys 0 .. T_b - n_b + i:
 //
-//   keys of row b   0 ................................ T_b - n | T_b - n .... T_b - 1
-//   query i         sees every key                             | sees keys <= T_b - n + i
+//   keys of row b   0 .............................. T_b - n_b | T_b - n_b .... T_b - 1
+//   query i         sees every key                             | sees keys <= T_b - n_b + i
 //
-// A work item is (row b, KV head h, chunk c of its keys): the G * n queries of the head's group
+// A work item is (row b, KV head h, chunk c of its keys): the G * n_b queries of the head's group
 // (G = H_q / H_kv) over the chunk, in blocks of BLOCK keys, each block's keys and values read
 // once for all of them (from L1, the queries' loops go over the block), with an online softmax:
 //
@@ -178,12 +180,12 @@ inline float block_max(const float* s, int64_t nb) {
   return m;
 }
 
-// Queries of item (b, h) are ordered q = i * G + j (query position i, head h * G + j).
-// Only the first Q = G * live queries are computed (a row's padding past its drafts is not).
-void attend_chunk(const RowKV& row, const float* q, int64_t h, int64_t n, int64_t live, int64_t G,
-                  int64_t D, int64_t Hq, int64_t c0, int64_t c1, float scale,
-                  std::vector<float>& s, Partial& part) {
-  const int64_t Q = G * live;
+// The n queries of item (b, h) (q: the row's first) are ordered q = i * G + j (query position
+// i, head h * G + j).
+void attend_chunk(const RowKV& row, const float* q, int64_t h, int64_t n, int64_t G, int64_t D,
+                  int64_t Hq, int64_t c0, int64_t c1, float scale, std::vector<float>& s,
+                  Partial& part) {
+  const int64_t Q = G * n;
   part.reset(Q, D);
   const float* kp = row.keys + h * row.key_head;
   const float* vp = row.values + h * row.value_head;
@@ -211,8 +213,8 @@ void attend_chunk(const RowKV& row, const float* q, int64_t h, int64_t n, int64_
       }
     }
     // the block's values, from L1 for every query: only those the query sees. A value past its
-    // position may be anything (a ragged verify leaves the slots past a row's live queries
-    // unwritten), and 0 * NaN would be NaN.
+    // position may be anything (a caller may pass keys past a row's last query: slots it did
+    // not write), and 0 * NaN would be NaN.
     for (int64_t qi = 0; qi < Q; ++qi) {
       const int64_t seen = std::min(b1, row.T - n + qi / G + 1) - b0;
       if (seen > 0)
@@ -224,29 +226,30 @@ void attend_chunk(const RowKV& row, const float* q, int64_t h, int64_t n, int64_
 
 }  // namespace
 
-// q, out: [B, n, H_q, D] float32, contiguous; keys[b], values[b]: [H_kv, T_b, D] (T_b >= n);
-// chunks: most key chunks per (row, head) (1: none split); live: per row, its first live[b]
-// queries are computed and the rest of its out is zero (a row verifying fewer drafts than the
-// batch's width), or empty: all n.
+// q, out: [N, H_q, D] float32, contiguous, N = sum of n; n: per row, its queries; keys[b],
+// values[b]: [H_kv, T_b, D] (T_b >= n_b); chunks: most key chunks per (row, head) (1: none split).
 void verify_decode(const at::Tensor& q, const std::vector<at::Tensor>& keys,
                    const std::vector<at::Tensor>& values, at::Tensor& out, double scale,
-                   int64_t chunks, const std::vector<int64_t>& live) {
-  TORCH_CHECK(q.device().is_cpu() && q.scalar_type() == at::kFloat && q.dim() == 4 &&
-                  q.is_contiguous(), "q: a contiguous float32 CPU tensor [B, n, H_q, D] is required");
+                   int64_t chunks, const std::vector<int64_t>& n) {
+  TORCH_CHECK(q.device().is_cpu() && q.scalar_type() == at::kFloat && q.dim() == 3 &&
+                  q.is_contiguous(), "q: a contiguous float32 CPU tensor [N, H_q, D] is required");
   TORCH_CHECK(out.sizes() == q.sizes() && out.scalar_type() == at::kFloat && out.is_contiguous(),
               "out: a contiguous float32 tensor shaped like q");
-  const int64_t B = q.size(0), n = q.size(1), Hq = q.size(2), D = q.size(3);
+  const int64_t B = static_cast<int64_t>(n.size()), Hq = q.size(1), D = q.size(2);
   TORCH_CHECK(static_cast<int64_t>(keys.size()) == B && static_cast<int64_t>(values.size()) == B,
-              "one keys view and one values view per row of q");
+              "one query count, one keys view and one values view per row");
   TORCH_CHECK(chunks >= 1, "chunks must be at least 1");
-  TORCH_CHECK(live.empty() || static_cast<int64_t>(live.size()) == B,
-              "live: one query count per row of q, or none");
-  for (const int64_t k : live) TORCH_CHECK(1 <= k && k <= n, "live counts must be in [1, n]");
-  const auto live_of = [&](int64_t b) { return live.empty() ? n : live[b]; };
-  if (B == 0 || n == 0) return;
+  std::vector<int64_t> first_query(B + 1, 0);
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(n[b] >= 1, "query counts must be at least 1");
+    first_query[b + 1] = first_query[b] + n[b];
+  }
+  TORCH_CHECK(first_query[B] == q.size(0), "q has ", q.size(0), " queries, the counts sum to ",
+              first_query[B]);
+  if (B == 0) return;
   const int64_t Hkv = keys[0].size(0);
   TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0, "H_q must be a multiple of H_kv");
-  const int64_t G = Hq / Hkv, Q = G * n;
+  const int64_t G = Hq / Hkv;
   std::vector<RowKV> rows(B);
   std::vector<int64_t> first_item(B + 1, 0), row_chunks(B);
   for (int64_t b = 0; b < B; ++b) {
@@ -257,19 +260,20 @@ void verify_decode(const at::Tensor& q, const std::vector<at::Tensor>& keys,
                   t->sizes());
     }
     const int64_t T = keys[b].size(1);
-    TORCH_CHECK(values[b].size(1) == T && T >= n, "row ", b, ": keys and values need the same ",
-                "length, at least the ", n, " queries");
+    TORCH_CHECK(values[b].size(1) == T && T >= n[b], "row ", b, ": keys and values need the ",
+                "same length, at least the ", n[b], " queries");
     rows[b] = {keys[b].data_ptr<float>(), values[b].data_ptr<float>(), keys[b].stride(0),
                values[b].stride(0), keys[b].stride(1), values[b].stride(1), T};
     row_chunks[b] = std::min<int64_t>(chunks, (T + BLOCK - 1) / BLOCK);
     first_item[b + 1] = first_item[b] + Hkv * row_chunks[b];
   }
   const int64_t items = first_item[B];
+  const int64_t widest = *std::max_element(n.begin(), n.end());
   std::vector<Partial> parts(items);
   const float* qp = q.data_ptr<float>();
   const float s = static_cast<float>(scale);
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(Q * BLOCK);
+    std::vector<float> scores(G * widest * BLOCK);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = std::upper_bound(first_item.begin(), first_item.end(), item) -
                         first_item.begin() - 1;
@@ -277,7 +281,7 @@ void verify_decode(const at::Tensor& q, const std::vector<at::Tensor>& keys,
       const int64_t c = local % row_chunks[b], T = rows[b].T;
       const int64_t per = (T + row_chunks[b] - 1) / row_chunks[b];
       const int64_t c0 = std::min(T, c * per), c1 = std::min(T, c0 + per);
-      attend_chunk(rows[b], qp + b * n * Hq * D, h, n, live_of(b), G, D, Hq, c0, c1, s, scores,
+      attend_chunk(rows[b], qp + first_query[b] * Hq * D, h, n[b], G, D, Hq, c0, c1, s, scores,
                    parts[item]);
     }
   });
@@ -285,17 +289,12 @@ void verify_decode(const at::Tensor& q, const std::vector<at::Tensor>& keys,
   at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t b = bh / Hkv, h = bh % Hkv, k = row_chunks[b];
-      const int64_t first = first_item[b] + h * k, Qb = G * live_of(b);
-      for (int64_t qi = 0; qi < Q; ++qi) {
-        if (qi >= Qb) {  // past the row's live queries: zero, as documented
-          float* o = op + ((b * n + qi / G) * Hq + h * G + qi % G) * D;
-          std::fill(o, o + D, 0.f);
-          continue;
-        }
+      const int64_t first = first_item[b] + h * k;
+      for (int64_t qi = 0; qi < G * n[b]; ++qi) {
         float m = -INFINITY;
         for (int64_t c = 0; c < k; ++c) m = std::max(m, parts[first + c].m[qi]);
         float total = 0.f;
-        float* o = op + ((b * n + qi / G) * Hq + h * G + qi % G) * D;
+        float* o = op + ((first_query[b] + qi / G) * Hq + h * G + qi % G) * D;
         std::fill(o, o + D, 0.f);
         for (int64_t c = 0; c < k; ++c) {
           const Partial& p = parts[first + c];

@@ -23,9 +23,9 @@ Three forward kinds reach it (``AttentionBackend.forward`` dispatches DECODE to
   for one verify at 8k). On a CPU with float32 KV every row of a layer attends in one call of
   the verify kernel (``ops/cpu_verify_decode.py``: 1.56x torch's SDPA loop at 8 rows x 6.3k),
   reading each row's full KV where the ledger finds it. A row that drafts less than the
-  batch's width brings only its 1 + drafts queries (``live_queries`` and their
-  ``kept_columns``, set by the worker; the forward's rows are then ragged:
-  ``srt/decode/batch_inputs.py``), and only those attend.
+  batch's width brings only its 1 + drafts queries (``live_queries``, set by the worker; the
+  forward's rows are then ragged: ``srt/decode/batch_inputs.py``), and the kernel takes them
+  ragged as they come.
 
 The full KV of a request is read through the offload ledger (``srt/kv/offload.py``): positions the
 worker moved to host memory come from there, the rest from the pool. Plain DECODE steps over a
@@ -49,7 +49,6 @@ from sglang_vericache.compress.attend import (PADDED_MIN_SHARE, group_mask, grou
 from sglang_vericache.ops.cpu_verify_decode import CpuVerifyDecode, load_cpu_verify_decode
 from sglang_vericache.srt.attention.draft_attention import DraftPlan
 from sglang_vericache.srt.context import open_context
-from sglang_vericache.srt.decode.batch_inputs import spread_rows
 from sglang_vericache.verify.step_profile import StepClock
 
 if TYPE_CHECKING:
@@ -87,20 +86,18 @@ class QueryCapture:
 class VeriCacheAttnBackend(TorchNativeAttnBackend):
     """torch_native with compressed-view drafting and an O(D*L) verify (see module doc).
 
-    The worker sets ``draft`` / ``capture`` / ``clock`` / ``live_queries`` / ``kept_columns``
-    around its forwards and clears them after; with all None the backend behaves exactly like
-    torch_native (plus the fast verify).
+    The worker sets ``draft`` / ``capture`` / ``clock`` / ``live_queries`` around its forwards
+    and clears them after; with all None the backend behaves exactly like torch_native (plus
+    the fast verify).
     """
 
     def __init__(self, model_runner) -> None:
         super().__init__(model_runner)
         self.draft: DraftPlan | None = None
         self.capture: QueryCapture | None = None
-        # per row of a verify, its queries that count (1 + its drafts; None: all): the rest pad
-        # the batch's width, and the verify kernel skips them
+        # per row of a verify, its queries (1 + its drafts; None: the width, every row): the
+        # forward leaves out the columns that would pad a row to the batch's width
         self.live_queries: list[int] | None = None
-        # their flat [bs * width] columns (``batch_inputs.live_index``; None: no row pads)
-        self.kept_columns: torch.Tensor | None = None
         self.clock: StepClock | None = None  # the worker's profile of the current decode step
         self.ledger = open_context(self.req_to_token_pool).ledger  # the first part built
         # a verify's causal masks, built at its first layer and shared by the others
@@ -133,7 +130,7 @@ class VeriCacheAttnBackend(TorchNativeAttnBackend):
         if fb.forward_mode.is_target_verify():
             width = fb.spec_info.draft_token_num  # seq_lens are the committed KV: drafts follow
             new = self.live_queries or [width] * len(fb.seq_lens_cpu)
-            out = self._verify(q3, k, v, layer, fb, width, new, save_kv_cache)
+            out = self._verify(q3, k, v, layer, fb, new, save_kv_cache)
         elif _extends_a_prefix(layer, fb):  # seq_lens include the extended tokens
             new = list(fb.extend_seq_lens_cpu)
             ends = fb.seq_lens_cpu.tolist()
@@ -145,9 +142,9 @@ class VeriCacheAttnBackend(TorchNativeAttnBackend):
             self.capture.record(layer.layer_id, q3, list(new))
         return out
 
-    def _verify(self, q3, k, v, layer: RadixAttention, fb: ForwardBatch, width: int,
-                live: list[int], save_kv_cache: bool):  # fmt: skip
-        """Each row's ``live[i]`` verify queries (1 + its drafts, of the batch's ``width``) over
+    def _verify(self, q3, k, v, layer: RadixAttention, fb: ForwardBatch, live: list[int],
+                save_kv_cache: bool):  # fmt: skip
+        """Each row's ``live[i]`` verify queries (1 + its drafts, of the batch's width) over
         its full KV: one kernel call for the layer where the kernel takes it, else
         ``_attend_new_tokens``. q3: [sum(live), H_q, D], the rows ragged where a row drafts
         less than the width (``batch_inputs.set_verify_inputs``); returns
@@ -160,22 +157,17 @@ class VeriCacheAttnBackend(TorchNativeAttnBackend):
                                            shared_masks=True)  # fmt: skip
         self._write_kv(layer, fb, k, v, save_kv_cache)
         rows = fb.req_pool_indices.tolist()
-        # the kernel takes the width: a row's query i at base + i, and keys through base +
-        # width, of which its live queries see only those through their own positions
-        kv = [self._full_kv(layer.layer_id, row, b + width) for row, b in zip(rows, bases)]
+        # each row's keys through its last live query: the width's padding past a row's drafts
+        # has no query and no KV written, so nothing reads it
+        kv = [self._full_kv(layer.layer_id, row, end) for row, end in zip(rows, ends)]
         keys, values = [kv_k for kv_k, _ in kv], [kv_v for _, kv_v in kv]
-        kept = self.kept_columns
-        heads, dim = layer.tp_q_head_num, layer.qk_head_dim
-        q4 = (q3 if kept is None else spread_rows(q3, kept, len(bases) * width)).view(
-            len(bases), width, heads, dim)  # fmt: skip
-        if not kernel.accepts(q4, keys, values):
+        if not kernel.accepts(q3, keys, values, live):
             return self._attend_new_tokens(q3, None, None, layer, fb, live, ends, False,
                                            shared_masks=True)  # fmt: skip
         if self.clock is not None:  # gathered rows (not read in place) live until the call ends
             self.clock.note_transient(sum(2 * kk.numel() * kk.element_size()
                                           for kk in keys if _copied(kk)))  # fmt: skip
-        out = kernel(q4, keys, values, layer.scaling, live=live).view(-1, heads * dim)
-        return out if kept is None else out[kept]
+        return kernel(q3, keys, values, layer.scaling, live).view(-1, q3.shape[1] * q3.shape[2])
 
     def _attend_new_tokens(self, q3, k, v, layer: RadixAttention, fb: ForwardBatch,
                            new: list[int], ends: list[int], save_kv_cache: bool,

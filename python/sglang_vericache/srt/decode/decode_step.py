@@ -310,13 +310,13 @@ class DecodeStep:
         set_verify_inputs(batch, offloader.table, chain.rows, base, kept)
         attn = self.attn()
         attn.capture = QueryCapture(width)
-        attn.live_queries, attn.kept_columns = live, kept
+        attn.live_queries = live
         stager.ready()
         try:
             out = self.target_worker.forward_batch_generation(batch, is_verify=True)
         finally:
             capture, attn.capture = attn.capture, None
-            attn.live_queries = attn.kept_columns = None
+            attn.live_queries = None
             stager.release()
         if kept is not None:  # back to the width's layout every reader of the verify expects
             spread_verify_output(out.logits_output, kept, bs * width)
