@@ -121,3 +121,42 @@ def test_no_rebuild_before_the_cooldown_or_without_the_room() -> None:
     assert _still(batch, book, off, compressor) == set()
     off.ledger.check_integrity(rows.req_to_token)
     book.check_integrity()
+
+
+@pytest.mark.parametrize("spec, later", [("kivi:bits=4,group=16,residual=16", True),
+                                         ("streaming:sink=4,window=32", True),
+                                         ("snapkv:ratio=0.25,window=8", False),
+                                         ("h2o:ratio=0.25", False)])
+def test_which_compressors_build_without_the_prompts_queries(spec: str, later: bool) -> None:
+    from sglang_vericache.srt.kv.reinstate import builds_without_queries
+
+    assert builds_without_queries(build_compressor(spec), LAYERS, 2, 8) is later
+
+
+def test_a_prefill_settling_while_a_request_waits_starts_demoted_and_is_built_once_room_returns(
+        ) -> None:  # fmt: skip
+    """Its compressed KV would take the slots the waiting request needs: none is built, the
+    book holds the row demoted, expected to take what the batch's compressed KV takes per
+    token, and once nothing waits and it cooled down it is built like any demoted row."""
+    from sglang_vericache.srt.kv.draft_state import RequestDraftState
+    from sglang_vericache.srt.kv.reinstate import starts_demoted
+
+    off, rows, alloc, compressor, book, batch, length = _demoted_row(
+        "kivi:bits=4,group=16,residual=16")
+    ledger = off.ledger
+    drafted = RequestDraftState.build(compressor, off.layer_reader(ROW, length), length,
+                                      [None] * LAYERS, LAYERS)  # fmt: skip
+    book.states["x"] = drafted  # the batch's drafted row: its bytes per token are the guess
+    assert not starts_demoted(book, "n", PROMPT, ledger, 999, True)  # no one waits: it builds
+    ledger.admission_deficit, ledger.waiting_asks = 7, [("w", 100, 7)]
+    assert not starts_demoted(book, "n", PROMPT, ledger, 999, False)  # it could not build later
+    assert "n" not in book.demotions
+    assert starts_demoted(book, "n", PROMPT, ledger, 999, True)
+    record = book.demotions["n"]
+    assert record.count == 1 and record.at_length == PROMPT and record.rebuildable
+    assert record.bytes_per_token == pytest.approx(drafted.nbytes / drafted.covered)
+    assert book.demoted_rows([_req("n")]) == {0} and "n" not in book.states
+    book.states.clear()
+    assert starts_demoted(book, "m", PROMPT, ledger, 999, True)  # no drafted row: the full KV's
+    assert book.demotions["m"].bytes_per_token == 999
+    book.check_integrity()

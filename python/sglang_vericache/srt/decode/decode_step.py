@@ -78,7 +78,7 @@ from sglang_vericache.verify.stats import Proposer
 from sglang_vericache.verify.draft_length import DraftLengthController
 from sglang_vericache.verify.draft_chain import DraftChain
 from sglang_vericache.verify.step_cost import ForwardKind, ForwardShape
-from sglang_vericache.verify.step_plan import PLAIN_FASTER
+from sglang_vericache.verify.step_plan import ADMISSION_FIRST, PLAIN_FASTER
 from sglang_vericache.verify.step_profile import Phase, StepClock
 
 logger = logging.getLogger(__name__)
@@ -136,7 +136,7 @@ class DecodeStep:
                   for i, d in lookup.items()} if step.all_greedy else {}  # fmt: skip
         plan = self.draft_length.plan(step_rows(batch, self.states, step.drafted, priced),
                                       joining_contexts(batch, step.drafted, self.offloader()))
-        if plan.reason == PLAIN_FASTER:
+        if plan.reason in (PLAIN_FASTER, ADMISSION_FIRST):
             self._demote_for_room(batch, step.drafted)
         logger.debug("decode step: %d rows, %d drafts (%s); predicted tok/s plain %s, drafted %s",
                      len(batch.reqs), plan.drafts, plan.reason, plan.plain_rate, plan.draft_rate)

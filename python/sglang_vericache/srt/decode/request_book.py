@@ -113,13 +113,16 @@ class RequestBook:
         reason = reason or plain_reason(req) or whole_step_reason(req) or "plain step"
         self.plain[req.rid] = VeriCacheStats.plain(OFFLOAD_ONLY if self.offload_only else reason)
 
-    def demote(self, rid: str, length: int) -> None:
+    def demote(self, rid: str, length: int, per_token: float = 0.0) -> None:
         """``rid`` drops its compressed KV at committed ``length`` and decodes plainly from its
-        offloaded full KV until it is ``reinstate``d (its counters keep what it drafted)."""
+        offloaded full KV until it is ``reinstate``d (its counters keep what it drafted).
+        ``per_token``: the bytes per token a rebuild is expected to take where it has no
+        compressed KV to measure (it starts demoted: ``srt/kv/reinstate.starts_demoted``)."""
         state = self.states.pop(rid, None)
         self.plain[rid] = (VeriCacheStats.plain(DEMOTED) if state is None
                            else state.stats.demoted(DEMOTED))  # fmt: skip
-        per_token = 0.0 if state is None else state.nbytes / max(state.covered, 1)
+        if state is not None:
+            per_token = state.nbytes / max(state.covered, 1)
         last = self.demotions.get(rid)
         self.demotions[rid] = Demotion((0 if last is None else last.count) + 1, length, per_token,
                                        last is None or last.rebuildable)  # fmt: skip

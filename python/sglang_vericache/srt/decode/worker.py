@@ -40,6 +40,7 @@ Logprobs of every committed token come from the verify logits.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from functools import partial
@@ -71,6 +72,7 @@ from sglang_vericache.srt.decode.eligibility import (
 from sglang_vericache.srt.kv.full_kv_stage import FullKVStager
 from sglang_vericache.srt.metrics import VeriCacheExporter, request_meta_info
 from sglang_vericache.srt.kv.offloader import PoolOffloader, shared_offloader
+from sglang_vericache.srt.kv.reinstate import builds_without_queries, starts_demoted
 from sglang_vericache.srt.hooks.patches import publish_meta_info
 from sglang_vericache.requests.table import RequestTable
 from sglang_vericache.srt.decode.request_book import RequestBook
@@ -230,6 +232,14 @@ class VeriCacheWorker(BaseSpecWorker):
                 self._ahead.attach(self.model_runner.model)
         return self._ahead
 
+    @functools.cached_property
+    def builds_later(self) -> bool:
+        """The compressor builds a row's compressed KV without its prompt's queries, as it must
+        where the row starts demoted (``srt/kv/reinstate.py``)."""
+        keys = self.model_runner.token_to_kv_pool.get_key_buffer(0)  # [slots, H_kv, D]
+        return builds_without_queries(self.compressor, self.num_layers, keys.shape[1],
+                                      keys.shape[2])  # fmt: skip
+
     @property
     def eager_offload(self) -> bool:
         """Drafted rows' full KV moves to host memory right after prefill (``Placement``)."""
@@ -345,9 +355,12 @@ class VeriCacheWorker(BaseSpecWorker):
     def _settle_prefill(self, req: Any, row: int, length: int, queries: list[Any] | None,
                         mode: DecodeMode) -> None:  # fmt: skip
         """After ``req``'s first token went out: its compressed KV (``queries`` None: a plain
-        row, none) and the move of its full KV to the host (``_offload``)."""
+        row, none; none yet where a request waits for memory: ``starts_demoted``) and the move
+        of its full KV to the host (``_offload``)."""
         state = None
-        if queries is not None:
+        if queries is not None and not starts_demoted(
+                self.book, req.rid, length, self.offloader.ledger, self.offloader.slot_bytes,
+                self.builds_later):  # fmt: skip
             state = self._compress(req, row, length, queries).labelled(req, mode)
             self.states[req.rid] = state
             lap(self.clock, Phase.COMPRESS)

@@ -13,6 +13,14 @@ the full KV decides every token.
 
 A compressor that scores tokens by the prompt's queries (SnapKV, H2O...) cannot rebuild a
 running row's compressed KV (the queries are gone): such a row stays demoted, tried once.
+
+A request whose prefill settles while another waits for memory starts demoted
+(``starts_demoted``): its compressed KV would take the pool slots the waiting request needs, and
+the planner would drop it for that request anyway (``verify/step_plan.py``, admission first),
+after a compression for nothing and a decode step of a small batch in place of a prefill. It is
+built like a demoted row's, once room returns. Only a compressor that needs no prompt queries
+(KIVI, StreamingLLM) can build it then (``builds_without_queries``); with any other the request
+compresses at once, as before.
 """
 
 from __future__ import annotations
@@ -20,6 +28,9 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import torch
+
+from sglang_vericache.compress.base import Observation
 from sglang_vericache.placement import low_water
 from sglang_vericache.reinstatement import DemotedRow, rows_to_reinstate
 from sglang_vericache.srt.kv.draft_state import RequestDraftState
@@ -36,8 +47,7 @@ def still_demoted(batch: Any, book: Any, offloader: Any, compressor: Any, num_la
     demoted = book.demoted_rows(batch.reqs)
     if not demoted:
         return demoted
-    ledger = offloader.ledger
-    waiting = ledger.admission_deficit > 0 or bool(ledger.waiting_asks)
+    waiting = admission_waits(offloader.ledger)
     lens = batch.seq_lens_cpu.tolist()
     candidates = []
     for i in sorted(demoted):
@@ -66,3 +76,37 @@ def still_demoted(batch: Any, book: Any, offloader: Any, compressor: Any, num_la
         logger.info("request %s: room returned; compressed KV rebuilt over %d tokens (%d pool "
                     "slots), it drafts again", req.rid, length, held)  # fmt: skip
     return demoted
+
+
+def admission_waits(ledger: Any) -> bool:
+    """A request waits for pool memory: an attempt lacked slots, or asks queue behind it."""
+    return ledger.admission_deficit > 0 or bool(ledger.waiting_asks)
+
+
+def starts_demoted(book: Any, rid: str, length: int, ledger: Any, full_bytes_per_token: int,
+                   builds_later: bool) -> bool:  # fmt: skip
+    """Whether request ``rid``, its prefill of ``length`` tokens settling now, starts demoted
+    (module doc): it does where a request waits for memory and its compressed KV can be built
+    later (``builds_later``). Then the book holds it demoted, expected to take what the
+    batch's compressed KV takes per token (the full KV's ``full_bytes_per_token`` while no row
+    has one: the cautious guess)."""
+    if not (builds_later and admission_waits(ledger)):
+        return False
+    states = list(book.states.values())
+    covered = sum(state.covered for state in states)
+    per_token = (sum(state.nbytes for state in states) / covered if covered
+                 else float(full_bytes_per_token))  # fmt: skip
+    book.demote(rid, length, per_token)
+    return True
+
+
+def builds_without_queries(compressor: Any, num_layers: int, heads_kv: int,
+                           head_dim: int) -> bool:  # fmt: skip
+    """Whether ``compressor`` compresses a layer with no prompt queries (KIVI, StreamingLLM do;
+    SnapKV and H2O score keys by them and raise), tried once on 1024 random tokens."""
+    keys, values = torch.randn(2, heads_kv, 1024, head_dim).unbind(0)
+    try:
+        compressor.compress(0, keys, values, Observation(num_layers=num_layers))
+    except ValueError:
+        return False
+    return True
