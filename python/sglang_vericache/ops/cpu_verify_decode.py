@@ -4,9 +4,9 @@ A verify gives row b n_b = 1 + drafts queries at positions base .. base + n_b - 
 the row's full KV through its own position (``srt/attention/backend.py``). Through torch's
 SDPA that is one call per row and layer, each an OpenMP region over only H_kv work items (3 for
 SmolLM2: one of two threads idles a third of the time), a bool mask per call, and torch's
-general GEMM over 18 x 64 query blocks. ``csrc/verify_decode.cpp`` runs every (row, KV head, chunk of keys)
-of a layer in one region, reads each key and value once for all G * n_b queries of its head
-group, and computes in float32 with AVX2 (an online softmax over blocks of 64 keys, a
+general GEMM over 18 x 64 query blocks. ``csrc/verify_decode.cpp`` runs every (row, KV head,
+chunk of keys) of a layer in one region, reads each key and value once for all G * n_b queries
+of its head group, and computes in float32 with AVX2 (an online softmax over blocks of 64 keys, a
 vectorized exp within 2 ulp of ``std::exp``). The queries are ragged, as the verify forward
 computes them (a row drafting less than the batch's width has fewer: no padding to spread in or
 gather out per layer)::
