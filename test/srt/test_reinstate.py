@@ -135,8 +135,8 @@ def test_which_compressors_build_without_the_prompts_queries(spec: str, later: b
 
 def test_a_prefill_settling_while_a_request_waits_starts_demoted_and_is_built_once_room_returns(
         ) -> None:  # fmt: skip
-    """Its compressed KV would take the slots the waiting request needs: none is built, the
-    book holds the row demoted, expected to take what the batch's compressed KV takes per
+    """Where the planner last put the waiting requests first, its compressed KV would take the
+    slots they need: none is built, the book holds the row demoted, expected to take what the batch's compressed KV takes per
     token, and once nothing waits and it cooled down it is built like any demoted row."""
     from sglang_vericache.srt.kv.draft_state import RequestDraftState
     from sglang_vericache.srt.kv.reinstate import starts_demoted
@@ -147,8 +147,12 @@ def test_a_prefill_settling_while_a_request_waits_starts_demoted_and_is_built_on
     drafted = RequestDraftState.build(compressor, off.layer_reader(ROW, length), length,
                                       [None] * LAYERS, LAYERS)  # fmt: skip
     book.states["x"] = drafted  # the batch's drafted row: its bytes per token are the guess
+    book.admission_first = True
     assert not starts_demoted(book, "n", PROMPT, ledger, 999, True)  # no one waits: it builds
     ledger.admission_deficit, ledger.waiting_asks = 7, [("w", 100, 7)]
+    book.admission_first = False  # the planner last drafted rather than let them in
+    assert not starts_demoted(book, "n", PROMPT, ledger, 999, True)
+    book.admission_first = True
     assert not starts_demoted(book, "n", PROMPT, ledger, 999, False)  # it could not build later
     assert "n" not in book.demotions
     assert starts_demoted(book, "n", PROMPT, ledger, 999, True)

@@ -33,14 +33,15 @@ measured again before it is predicted.
 
 Under a short budget the compressed KV is not free: its pool slots keep waiting requests out.
 When admission lacks no more than the drafted rows' compressed KV holds, the worker names the
-requests that would get in (``joining``), and admission comes first: the step decodes plainly
-and the rows drop their compressed KV (they decode offload-only until room returns and it is
-rebuilt: ``srt/kv/reinstate.py``). A step's rate cannot weigh this: what a waiting request
-loses is its prefill, which SGLang runs before any decode step, and the larger batch every
-later step decodes. Weighed by rate (plain over the batch with the joining requests against
-drafting without them), drafting small batches between prefills won step after step at 16 x 1k
-prompts on a budget of 2 requests' full KV, and lost to offload-only end to end (0.86x, 0.90x
-in two rounds of ``benchmark/serving_grid.py``).
+request that would get in (``joining``), and plain decoding is weighed over the batch with it:
+dropping the compressed KV (the rows decode offload-only from then on) wins unless drafting
+this batch commits more per second than plain decoding a larger one::
+
+    plain rate = (rows + joining) / T_plain(rows + joining, sum over both of (L + 1))
+
+Where plain decoding won that comparison, requests whose prefills settle while others still wait
+build no compressed KV until room returns (``srt/kv/reinstate.py``, ``starts_demoted``): it
+would only be dropped again for the next arrival.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ from sglang_vericache.verify.stats import Proposer
 from sglang_vericache.verify.step_cost import ForwardKind, ForwardShape, StepCostModel
 
 PLAIN_FASTER = "plain decoding is faster"  # the reason of a measured no-draft decision
-ADMISSION_FIRST = "a waiting request needs the slots"  # joining rows: plain, compressed KV dropped
+DRAFTING_PAYS = "drafting pays"  # a measured decision to draft from the compressed KV
 LOOKUP_PAYS = "lookup drafts pay"  # drafts from the requests' own context, no draft forward
 
 
@@ -125,11 +126,9 @@ class StepPlanner:
     def plan(self, rows: Sequence[PlannedRow],
              joining: Sequence[PlannedRow] = ()) -> StepDecision:  # fmt: skip
         """This step's draft count for ``rows``; ``joining``: rows that would be admitted if the
-        drafted rows dropped their compressed KV (module doc): where there are any, none."""
+        drafted rows dropped their compressed KV (module doc), decoded plainly if they join."""
         if not any(r.drafts for r in rows):
             return StepDecision(0, "no row can draft")
-        if joining:
-            return StepDecision(0, ADMISSION_FIRST)
         self.decisions += 1
         if not self.costs.covers(ForwardKind.PLAIN, plain_shape(rows)):
             return StepDecision(0, "measuring plain decode")
@@ -138,7 +137,7 @@ class StepPlanner:
                 and self.costs.covers(ForwardKind.VERIFY, verify_shape(rows, probe + 1))):
             odd = self.costs.fits[ForwardKind.VERIFY].samples % 2  # chains of 2, 4, 2 drafts
             return StepDecision(self._cap(rows, self.min_drafts * (1 + odd)), "measuring drafting")
-        plain_rate = self.plain_rate(rows)
+        plain_rate = self.plain_rate([*rows, *joining])
         x, draft_rate = self.best_draft(rows)
         drafting = draft_rate > plain_rate * (1.0 + self.config.margin)
         self._review_exploration(drafting)
@@ -146,7 +145,7 @@ class StepPlanner:
             lx, lookup_rate = self.best_lookup(rows)
             if lookup_rate > max(draft_rate, plain_rate * (1.0 + self.config.margin)):
                 return StepDecision(lx, LOOKUP_PAYS, plain_rate, lookup_rate, Proposer.LOOKUP)
-            return StepDecision(x if drafting else 0, "drafting pays" if drafting else PLAIN_FASTER,
+            return StepDecision(x if drafting else 0, DRAFTING_PAYS if drafting else PLAIN_FASTER,
                                 plain_rate, draft_rate)  # fmt: skip
         self._explored_against = drafting  # keep the losing mode's fit fresh, as cheaply as can be
         x = 0 if drafting else self._cap(rows, self.min_drafts)

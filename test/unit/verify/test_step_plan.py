@@ -15,7 +15,6 @@ from sglang_vericache.verify.step_cost import (
 from sglang_vericache.verify.stats import Proposer
 from sglang_vericache.verify.step_plan import (
     LOOKUP_PAYS,
-    ADMISSION_FIRST,
     PLAIN_FASTER,
     PlannedRow,
     PlannerConfig,
@@ -270,18 +269,19 @@ def test_a_cost_fit_needs_as_many_near_samples_as_it_remembers_at_most() -> None
 FIXED_HEAVY = (0.010, 0.0002, 1e-6)
 
 
-def test_a_waiting_request_comes_before_drafting_however_well_drafting_pays() -> None:
-    """Under a short budget the compressed KV keeps a request out: the step decodes plainly
-    (the worker then drops the compressed KV for the request), whether drafting barely paid or
-    paid well, and without measuring first; with no one joining the same batches draft."""
+def test_a_waiting_request_turns_a_marginal_draft_into_plain_decoding_with_it() -> None:
+    """Under a short budget the compressed KV keeps a request out: drafting must then beat plain
+    decoding of the batch *with* that request. Where it barely paid it stops; where it pays
+    well it goes on."""
     planner = trained_planner(coef=FIXED_HEAVY)
-    joining = [PlannedRow(4000, 0, 0.0, 1, False)]
-    for rows in (batch(2, 4000), batch(4, 8000, alpha=0.98)):
-        assert planner.plan(rows).drafts > 0
-        assert planner.plan(rows, joining) == StepDecision(0, ADMISSION_FIRST)
-    fresh = StepPlanner(1, 8)
-    assert fresh.plan(batch(2, 4000), joining) == StepDecision(0, ADMISSION_FIRST)
-    assert fresh.costs.fits[ForwardKind.PLAIN].samples == 0
+    marginal = batch(2, 4000)
+    alone = planner.plan(marginal)
+    assert alone.drafts > 0 and alone.draft_rate < 1.2 * alone.plain_rate
+    joined = planner.plan(marginal, [PlannedRow(4000, 0, 0.0, 1, False)])
+    assert joined.drafts == 0 and joined.reason == PLAIN_FASTER
+    assert joined.plain_rate > 1.2 * alone.plain_rate  # three rows for little more than two
+    strong = batch(4, 8000, alpha=0.98)
+    assert planner.plan(strong, [PlannedRow(8000, 0, 0.0, 1, False)]).drafts > 0
 
 
 def test_cost_fit_reach_must_be_at_least_one() -> None:

@@ -78,7 +78,7 @@ from sglang_vericache.verify.stats import Proposer
 from sglang_vericache.verify.draft_length import DraftLengthController
 from sglang_vericache.verify.draft_chain import DraftChain
 from sglang_vericache.verify.step_cost import ForwardKind, ForwardShape
-from sglang_vericache.verify.step_plan import ADMISSION_FIRST, PLAIN_FASTER
+from sglang_vericache.verify.step_plan import DRAFTING_PAYS, LOOKUP_PAYS, PLAIN_FASTER
 from sglang_vericache.verify.step_profile import Phase, StepClock
 
 logger = logging.getLogger(__name__)
@@ -134,10 +134,14 @@ class DecodeStep:
         lookup = self._lookup_drafts(batch, step)
         priced = {i: (len(d), self.book.lookups[batch.reqs[i].rid].alpha)
                   for i, d in lookup.items()} if step.all_greedy else {}  # fmt: skip
-        plan = self.draft_length.plan(step_rows(batch, self.states, step.drafted, priced),
-                                      joining_contexts(batch, step.drafted, self.offloader()))
-        if plan.reason in (PLAIN_FASTER, ADMISSION_FIRST):
+        joining = joining_contexts(batch, step.drafted, self.offloader())
+        plan = self.draft_length.plan(step_rows(batch, self.states, step.drafted, priced), joining)
+        if plan.reason == PLAIN_FASTER:
             self._demote_for_room(batch, step.drafted)
+        if joining and plan.reason in (PLAIN_FASTER, DRAFTING_PAYS, LOOKUP_PAYS):
+            # the last word on drafting against admission: whether newcomers build their
+            # compressed KV while requests wait (srt/kv/reinstate.py, starts_demoted)
+            self.book.admission_first = plan.reason == PLAIN_FASTER
         logger.debug("decode step: %d rows, %d drafts (%s); predicted tok/s plain %s, drafted %s",
                      len(batch.reqs), plan.drafts, plan.reason, plan.plain_rate, plan.draft_rate)
         if self.metrics is not None:

@@ -77,6 +77,9 @@ class RequestBook:
         self.ahead_used = RecordField(self._requests, "ahead_used")
         self.after_prefill = RecordField(self._requests, "after_prefill")
         self.demotions = RecordField(self._requests, "demotion")
+        # the planner's last measured word where requests waited for the compressed KV's
+        # slots: plain decoding with them (True) or drafting without them
+        self.admission_first = False
 
     def __len__(self) -> int:
         """Requests with a drafted, plain, after-prefill or demotion field (0 when idle)."""

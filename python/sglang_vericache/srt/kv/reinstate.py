@@ -14,13 +14,16 @@ the full KV decides every token.
 A compressor that scores tokens by the prompt's queries (SnapKV, H2O...) cannot rebuild a
 running row's compressed KV (the queries are gone): such a row stays demoted, tried once.
 
-A request whose prefill settles while another waits for memory starts demoted
-(``starts_demoted``): its compressed KV would take the pool slots the waiting request needs, and
-the planner would drop it for that request anyway (``verify/step_plan.py``, admission first),
-after a compression for nothing and a decode step of a small batch in place of a prefill. It is
-built like a demoted row's, once room returns. Only a compressor that needs no prompt queries
-(KIVI, StreamingLLM) can build it then (``builds_without_queries``); with any other the request
-compresses at once, as before.
+A request whose prefill settles while another waits for memory, after the planner last found
+plain decoding with the waiting requests faster than drafting without them
+(``RequestBook.admission_first``, ``verify/step_plan.py``), starts demoted (``starts_demoted``):
+its compressed KV would take the pool slots the waiting request needs, and the planner would drop
+it for that request again, after a compression for nothing and decode steps of a small batch in
+place of a prefill (16 x 1k prompts on a budget of 2 requests' full KV: 14 compressed KV dropped
+within seconds of their build, 0.86x and 0.90x offload-only in two rounds of
+``benchmark/serving_grid.py``). It is built like a demoted row's once room returns. Only a
+compressor that needs no prompt queries (KIVI, StreamingLLM) can build it then
+(``builds_without_queries``); with any other the request compresses at once.
 """
 
 from __future__ import annotations
@@ -86,11 +89,11 @@ def admission_waits(ledger: Any) -> bool:
 def starts_demoted(book: Any, rid: str, length: int, ledger: Any, full_bytes_per_token: int,
                    builds_later: bool) -> bool:  # fmt: skip
     """Whether request ``rid``, its prefill of ``length`` tokens settling now, starts demoted
-    (module doc): it does where a request waits for memory and its compressed KV can be built
-    later (``builds_later``). Then the book holds it demoted, expected to take what the
+    (module doc): it does where a request waits for memory, the planner last put admission
+    first and its compressed KV can be built later (``builds_later``). Then the book holds it demoted, expected to take what the
     batch's compressed KV takes per token (the full KV's ``full_bytes_per_token`` while no row
     has one: the cautious guess)."""
-    if not (builds_later and admission_waits(ledger)):
+    if not (builds_later and book.admission_first and admission_waits(ledger)):
         return False
     states = list(book.states.values())
     covered = sum(state.covered for state in states)
