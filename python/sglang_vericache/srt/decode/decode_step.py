@@ -70,7 +70,7 @@ from sglang_vericache.srt.hooks.penalties import plain_would_overlap
 from sglang_vericache.srt.kv.draft_state import RequestDraftState
 from sglang_vericache.srt.kv.full_kv_stage import FullKVStager
 from sglang_vericache.srt.kv.offloader import PoolOffloader
-from sglang_vericache.srt.kv.reinstate import still_demoted
+from sglang_vericache.srt.kv.reinstate import admission_waits, still_demoted
 from sglang_vericache.srt.metrics import VeriCacheExporter
 from sglang_vericache.srt.prefix.draft_ahead import DraftAhead, batch_proposals
 from sglang_vericache.verify import VerifyRecord
@@ -142,6 +142,8 @@ class DecodeStep:
             # the last word on drafting against admission: whether newcomers build their
             # compressed KV while requests wait (srt/kv/reinstate.py, starts_demoted)
             self.book.admission_first = plan.reason == PLAIN_FASTER
+        elif not admission_waits(self.offloader().ledger):
+            self.book.admission_first = False  # a verdict holds while its queue lasts
         logger.debug("decode step: %d rows, %d drafts (%s); predicted tok/s plain %s, drafted %s",
                      len(batch.reqs), plan.drafts, plan.reason, plan.plain_rate, plan.draft_rate)
         if self.metrics is not None:
