@@ -1,8 +1,8 @@
 """Demoted rows of a decode batch draft again once room returns (glue; the policy is
 ``sglang_vericache.reinstatement``).
 
-``_demote_for_room`` (``srt/decode/decode_step.py``) drops a drafted row's compressed KV where drafting
-does not pay and a waiting request needs its pool slots; ``RequestBook`` keeps the row plain
+``_demote_for_room`` (``srt/decode/decode_step.py``) drops a drafted row's compressed KV where
+drafting does not pay and a waiting request needs its pool slots; ``RequestBook`` keeps the row plain
 (``DEMOTED``). Each decode step, before it sorts its rows, the worker asks ``still_demoted``:
 the demoted rows whose room has returned get their compressed KV rebuilt from their full KV
 (``RequestDraftState.build`` over the row's exact KV, in the pool or offloaded), lodged in pool
@@ -20,10 +20,14 @@ plain decoding with the waiting requests faster than drafting without them
 its compressed KV would take the pool slots the waiting request needs, and the planner would drop
 it for that request again, after a compression for nothing and decode steps of a small batch in
 place of a prefill (16 x 1k prompts on a budget of 2 requests' full KV: 14 compressed KV dropped
-within seconds of their build, 0.86x and 0.90x offload-only in two rounds of
-``benchmark/serving_grid.py``). It is built like a demoted row's once room returns. Only a
-compressor that needs no prompt queries (KIVI, StreamingLLM) can build it then
-(``builds_without_queries``); with any other the request compresses at once.
+within seconds of their build, 0.86x and 0.90x offload-only in two paired rounds,
+``benchmark/results/serving_grid_1k_tight_c16_before.json``; with this rule 0.95x and 0.92x,
+``serving_grid_1k_tight_c16.json``). At 8 x 1k on that budget it costs: 0.96x in both rounds
+(``serving_grid_1k_tight_c8.json``) against 1.01x and 0.97x without it
+(``serving_grid_1k_tight.json``), where drafting the first rows between prefills let them finish
+and free their room. It is built like a demoted row's once room returns. Only a compressor that
+needs no prompt queries (KIVI, StreamingLLM) can build it then (``builds_without_queries``);
+with any other the request compresses at once.
 """
 
 from __future__ import annotations
@@ -90,9 +94,9 @@ def starts_demoted(book: Any, rid: str, length: int, ledger: Any, full_bytes_per
                    builds_later: bool) -> bool:  # fmt: skip
     """Whether request ``rid``, its prefill of ``length`` tokens settling now, starts demoted
     (module doc): it does where a request waits for memory, the planner last put admission
-    first and its compressed KV can be built later (``builds_later``). Then the book holds it demoted, expected to take what the
-    batch's compressed KV takes per token (the full KV's ``full_bytes_per_token`` while no row
-    has one: the cautious guess)."""
+    first and its compressed KV can be built later (``builds_later``). Then the book holds it
+    demoted, expected to take what the batch's compressed KV takes per token (the full KV's
+    ``full_bytes_per_token`` while no row has one: the cautious guess)."""
     if not (builds_later and book.admission_first and admission_waits(ledger)):
         return False
     states = list(book.states.values())
