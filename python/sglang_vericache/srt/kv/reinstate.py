@@ -2,8 +2,8 @@
 ``sglang_vericache.reinstatement``).
 
 ``_demote_for_room`` (``srt/decode/decode_step.py``) drops a drafted row's compressed KV where
-drafting does not pay and a waiting request needs its pool slots; ``RequestBook`` keeps the row plain
-(``DEMOTED``). Each decode step, before it sorts its rows, the worker asks ``still_demoted``:
+drafting does not pay and a waiting request needs its pool slots; ``RequestBook`` keeps the row
+plain (``DEMOTED``). Each decode step, before it sorts its rows, the worker asks ``still_demoted``:
 the demoted rows whose room has returned get their compressed KV rebuilt from their full KV
 (``RequestDraftState.build`` over the row's exact KV, in the pool or offloaded), lodged in pool
 slots at once (``PoolOffloader.hold``), and back in the book's ``states``; from then on they are
