@@ -239,9 +239,8 @@ removed: serving never produced its page layout.
 """
 
 GPU_LIMITS = """
-Limits, plainly: no serving path has run on a GPU (`ops/pool_kivi_decode.py`, `dropped_decode.py`,
-`srt/kv/full_kv_stage.py` are checked against torch references on CPU, in `test/kernels` and at
-start-up). The kernel measured reached 36% of copy bandwidth (target 60%): `kernels/README.md`.
+Limits, plainly: no serving path has run on a GPU (its kernels are checked against torch references
+on CPU, in `test/kernels` and at start-up); the kernel measured reached 36% of copy bandwidth.
 """
 
 

@@ -16,8 +16,9 @@ NAME = "serving_grid.json"
 # the grid's runs so far, each a part of the grid (one machine runs a few cells an hour); NAME's
 # single rounds (4k / c8; 1k / c1, c16: serving_grid_1k.json) are superseded by paired runs
 GRIDS = ("serving_grid_1k_paired.json", "serving_grid_1k_c8.json", "serving_grid_4k_random.json",
-         "serving_grid_4k_c8_custom.json", "serving_grid_4k_c16.json", "serving_grid_4k_tight.json",
-         "serving_grid_1k_tight.json", "serving_grid_7k.json")
+         "serving_grid_4k_c8_custom.json", "serving_grid_4k_c16.json",
+         "serving_grid_4k_tight_c8.json", "serving_grid_1k_tight_c8.json",
+         "serving_grid_1k_tight_c16.json", "serving_grid_7k.json")
 COMMAND = "python benchmark/serving_grid.py"
 SERVERS = ("plain", "offload-only", "vericache")
 

@@ -63,7 +63,7 @@ from sglang_vericache.srt.decode.decode_step import DecodeStep, lap
 from sglang_vericache.srt.context import context_of, open_context
 from sglang_vericache.srt.prefix.draft_ahead import DraftAhead
 from sglang_vericache.srt.attention.draft_precision import DraftPrecision, choose_draft_format
-from sglang_vericache.srt.kv.draft_state import RequestDraftState
+from sglang_vericache.srt.kv.draft_state import RequestDraftState, prompt_state
 from sglang_vericache.srt.decode.eligibility import (
     decode_mode,
     plain_reason,
@@ -361,7 +361,8 @@ class VeriCacheWorker(BaseSpecWorker):
         if queries is not None and not starts_demoted(
                 self.book, req.rid, length, self.offloader.ledger, self.offloader.slot_bytes,
                 self.builds_later):  # fmt: skip
-            state = self._compress(req, row, length, queries).labelled(req, mode)
+            state = prompt_state(self.compressor, self.offloader, self.ahead, req, row, length,
+                                 queries, self.num_layers).labelled(req, mode)  # fmt: skip
             self.states[req.rid] = state
             lap(self.clock, Phase.COMPRESS)
         self._offload(req, row, length, state)
@@ -384,26 +385,6 @@ class VeriCacheWorker(BaseSpecWorker):
         if self.metrics is not None:
             self.metrics.observe_prefill_profile(profile)
         return result
-
-    def _compress(self, req: Any, row: int, length: int,
-                  queries: list[Any]) -> RequestDraftState:  # fmt: skip
-        """The compressed KV of ``req``'s ``length`` prompt positions. Where a stored compressed
-        prefix (an earlier turn of the conversation, kept by ``DraftAhead``) covers at least
-        half of them, a copy of it plus the new positions (compression costs in proportion to
-        the tokens compressed, and a conversation's turn is mostly its earlier turns). Else
-        built from all of it."""
-        stored = None
-        if self.ahead is not None:
-            tokens = [*req.origin_input_ids, *req.output_ids][:length]
-            stored = self.ahead.store.longest(tokens)
-        if stored is not None and 2 * len(stored.tokens) >= length:
-            covered = len(stored.tokens)
-            return RequestDraftState.from_prefix(
-                stored.state, stored.trim, self.offloader.range_reader(row, covered, length),
-                length, queries,
-            )  # fmt: skip
-        return RequestDraftState.build(self.compressor, self.offloader.layer_reader(row, length),
-                                       length, queries, self.num_layers)  # fmt: skip
 
     def _meta_info(self, rid: str, row: int) -> dict[str, Any]:
         """``meta_info["vericache"]`` of one request (``srt/metrics.py``)."""

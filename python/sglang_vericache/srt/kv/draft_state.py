@@ -200,3 +200,24 @@ class RequestDraftState:
         for cache in self.layers:
             cache.check_integrity()
             assert cache.num_tokens == self.covered, "a layer covers a different token count"
+
+
+def prompt_state(compressor: Compressor, offloader: Any, ahead: Any, req: Any, row: int,
+                 length: int, queries: Sequence[Tensor | None],
+                 num_layers: int) -> RequestDraftState:  # fmt: skip
+    """The compressed KV of ``req``'s ``length`` prompt positions in pool ``row``
+    (``offloader``: its ``PoolOffloader``). Where a stored compressed prefix (an earlier turn of
+    the conversation, kept by ``ahead``, the ``DraftAhead`` or None) covers at least half of
+    them, a copy of it plus the new positions (compression costs in proportion to the tokens
+    compressed, and a conversation's turn is mostly its earlier turns). Else built from all of
+    it."""
+    stored = None
+    if ahead is not None:
+        stored = ahead.store.longest([*req.origin_input_ids, *req.output_ids][:length])
+    if stored is not None and 2 * len(stored.tokens) >= length:
+        covered = len(stored.tokens)
+        return RequestDraftState.from_prefix(stored.state, stored.trim,
+                                             offloader.range_reader(row, covered, length),
+                                             length, queries)  # fmt: skip
+    return RequestDraftState.build(compressor, offloader.layer_reader(row, length), length,
+                                   queries, num_layers)  # fmt: skip

@@ -104,6 +104,8 @@ def starts_demoted(book: Any, rid: str, length: int, ledger: Any, full_bytes_per
     per_token = (sum(state.nbytes for state in states) / covered if covered
                  else float(full_bytes_per_token))  # fmt: skip
     book.demote(rid, length, per_token)
+    logger.info("request %s: no compressed KV built while requests wait for memory (the planner "
+                "put admission first); it is built once room returns", rid)
     return True
 
 
