@@ -40,10 +40,9 @@ Logprobs of every committed token come from the verify logits.
 
 from __future__ import annotations
 
-import functools
 import logging
 import time
-from functools import partial
+from functools import cached_property, partial
 from typing import Any, Callable
 
 import torch
@@ -232,7 +231,7 @@ class VeriCacheWorker(BaseSpecWorker):
                 self._ahead.attach(self.model_runner.model)
         return self._ahead
 
-    @functools.cached_property
+    @cached_property
     def builds_later(self) -> bool:
         """The compressor builds a row's compressed KV without its prompt's queries, as it must
         where the row starts demoted (``srt/kv/reinstate.py``)."""
