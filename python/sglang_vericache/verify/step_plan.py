@@ -41,7 +41,11 @@ this batch commits more per second than plain decoding a larger one::
 
 Where plain decoding won that comparison, requests whose prefills settle while others still wait
 build no compressed KV until room returns (``srt/kv/reinstate.py``, ``starts_demoted``): it
-would only be dropped again for the next arrival.
+would only be dropped again for the next arrival. Where there is no verdict yet (a fit does not
+cover the batch), admission comes first too (``ADMISSION_FIRST``): measuring drafting would hold
+the slots a waiting request needs for several steps of a batch that is about to grow, and the
+offload-only baseline admits at once (16 x 1k prompts on a budget of 2 requests' full KV: 5
+measuring steps of 4 rows stood between two prefills).
 """
 
 from __future__ import annotations
@@ -56,6 +60,9 @@ from sglang_vericache.verify.step_cost import ForwardKind, ForwardShape, StepCos
 PLAIN_FASTER = "plain decoding is faster"  # the reason of a measured no-draft decision
 DRAFTING_PAYS = "drafting pays"  # a measured decision to draft from the compressed KV
 LOOKUP_PAYS = "lookup drafts pay"  # drafts from the requests' own context, no draft forward
+# a plain step that admits waiting requests before the fits can weigh drafting against them
+ADMISSION_FIRST = "admission first, drafting not measured"
+ADMITTING = (PLAIN_FASTER, ADMISSION_FIRST)  # decisions that drop compressed KV for admission
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,11 +137,16 @@ class StepPlanner:
         if not any(r.drafts for r in rows):
             return StepDecision(0, "no row can draft")
         self.decisions += 1
-        if not self.costs.covers(ForwardKind.PLAIN, plain_shape(rows)):
-            return StepDecision(0, "measuring plain decode")
         probe = self._cap(rows, self.min_drafts)
-        if not (self.costs.covers(ForwardKind.DRAFT, draft_shape(rows, 0))
-                and self.costs.covers(ForwardKind.VERIFY, verify_shape(rows, probe + 1))):
+        drafting_measured = (
+            self.costs.covers(ForwardKind.DRAFT, draft_shape(rows, 0))
+            and self.costs.covers(ForwardKind.VERIFY, verify_shape(rows, probe + 1)))
+        plain_measured = self.costs.covers(ForwardKind.PLAIN, plain_shape(rows))
+        if joining and not (plain_measured and drafting_measured):
+            return StepDecision(0, ADMISSION_FIRST)
+        if not plain_measured:
+            return StepDecision(0, "measuring plain decode")
+        if not drafting_measured:
             odd = self.costs.fits[ForwardKind.VERIFY].samples % 2  # chains of 2, 4, 2 drafts
             return StepDecision(self._cap(rows, self.min_drafts * (1 + odd)), "measuring drafting")
         plain_rate = self.plain_rate([*rows, *joining])

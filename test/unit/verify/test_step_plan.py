@@ -14,6 +14,7 @@ from sglang_vericache.verify.step_cost import (
 )
 from sglang_vericache.verify.stats import Proposer
 from sglang_vericache.verify.step_plan import (
+    ADMISSION_FIRST,
     LOOKUP_PAYS,
     PLAIN_FASTER,
     PlannedRow,
@@ -282,6 +283,23 @@ def test_a_waiting_request_turns_a_marginal_draft_into_plain_decoding_with_it() 
     assert joined.plain_rate > 1.2 * alone.plain_rate  # three rows for little more than two
     strong = batch(4, 8000, alpha=0.98)
     assert planner.plan(strong, [PlannedRow(8000, 0, 0.0, 1, False)]).drafts > 0
+
+
+def test_a_waiting_request_comes_first_while_drafting_is_not_measured() -> None:
+    """No fit covers the batch: measuring would hold the slots a waiting request needs, so the
+    step is plain and admits it (ADMISSION_FIRST); without a waiting request it measures. Once
+    the fits cover the batch the rate comparison decides, as without a waiting request."""
+    planner = StepPlanner(2, 8)
+    rows, newcomer = batch(4, 1000), [PlannedRow(1000, 0, 0.0, 64, False)]
+    assert planner.plan(rows, newcomer) == StepDecision(0, ADMISSION_FIRST)
+    assert planner.plan(rows) == StepDecision(0, "measuring plain decode")
+    for _ in range(6):
+        planner.observe(ForwardKind.PLAIN, plain_shape(rows), cpu_seconds(plain_shape(rows)))
+    assert planner.plan(rows, newcomer) == StepDecision(0, ADMISSION_FIRST)
+    assert planner.plan(rows).reason == "measuring drafting"
+    trained = trained_planner(coef=FIXED_HEAVY)
+    strong = batch(4, 8000, alpha=0.98)
+    assert trained.plan(strong, [PlannedRow(8000, 0, 0.0, 1, False)]).drafts > 0
 
 
 def test_cost_fit_reach_must_be_at_least_one() -> None:

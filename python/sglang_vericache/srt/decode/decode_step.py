@@ -78,7 +78,7 @@ from sglang_vericache.verify.stats import Proposer
 from sglang_vericache.verify.draft_length import DraftLengthController
 from sglang_vericache.verify.draft_chain import DraftChain
 from sglang_vericache.verify.step_cost import ForwardKind, ForwardShape
-from sglang_vericache.verify.step_plan import DRAFTING_PAYS, LOOKUP_PAYS, PLAIN_FASTER
+from sglang_vericache.verify.step_plan import ADMITTING, DRAFTING_PAYS, LOOKUP_PAYS
 from sglang_vericache.verify.step_profile import Phase, StepClock
 
 logger = logging.getLogger(__name__)
@@ -136,16 +136,18 @@ class DecodeStep:
                   for i, d in lookup.items()} if step.all_greedy else {}  # fmt: skip
         joining = joining_contexts(batch, step.drafted, self.offloader())
         plan = self.draft_length.plan(step_rows(batch, self.states, step.drafted, priced), joining)
-        if plan.reason == PLAIN_FASTER:
-            self._demote_for_room(batch, step.drafted)
-        if joining and plan.reason in (PLAIN_FASTER, DRAFTING_PAYS, LOOKUP_PAYS):
+        if plan.reason in ADMITTING:
+            self._demote_for_room(batch, step.drafted, plan.reason)
+        if joining and plan.reason in (*ADMITTING, DRAFTING_PAYS, LOOKUP_PAYS):
             # the last word on drafting against admission: whether newcomers build their
             # compressed KV while requests wait (srt/kv/reinstate.py, starts_demoted)
-            self.book.admission_first = plan.reason == PLAIN_FASTER
+            self.book.admission_first = plan.reason in ADMITTING
         elif not admission_waits(self.offloader().ledger):
             self.book.admission_first = False  # a verdict holds while its queue lasts
-        logger.debug("decode step: %d rows, %d drafts (%s); predicted tok/s plain %s, drafted %s",
-                     len(batch.reqs), plan.drafts, plan.reason, plan.plain_rate, plan.draft_rate)
+        logger.debug("decode step: %d rows, %d drafts (%s); %d could join (%d slots short); "
+                     "predicted tok/s plain %s, drafted %s", len(batch.reqs), plan.drafts,
+                     plan.reason, len(joining), self.offloader().ledger.admission_deficit,
+                     plan.plain_rate, plan.draft_rate)  # fmt: skip
         if self.metrics is not None:
             self.metrics.observe_step(plan.reason)
             self.metrics.observe_pressure_offload(moved)
@@ -168,17 +170,18 @@ class DecodeStep:
     def _lap(self, phase: Phase) -> None:
         lap(self.clock, phase)
 
-    def _demote_for_room(self, batch, drafted: list[int]) -> None:
-        """Drafting does not pay and admission is short: rows whose compressed KV held pool
-        slots drop it and decode from their full KV until room returns (``_still_demoted``)."""
+    def _demote_for_room(self, batch, drafted: list[int], reason: str) -> None:
+        """Drafting does not pay (or is not measured yet: ``reason``) and admission is short:
+        rows whose compressed KV held pool slots drop it and decode from their full KV until
+        room returns (``_still_demoted``)."""
         offloader = self.offloader()
         rows, lens = batch.req_pool_indices.tolist(), batch.seq_lens_cpu.tolist()
         for i in rows_to_release(batch, drafted, offloader.ledger):
             # the state first: a state no one holds is not copied out of the slots it leaves
             self.book.demote(batch.reqs[i].rid, int(lens[i]))
             offloader.release_reserved(rows[i])
-            logger.info("request %s: compressed KV dropped for admission (drafting does not "
-                        "pay); it decodes plainly until room returns", batch.reqs[i].rid)
+            logger.info("request %s: compressed KV dropped for admission (%s); it decodes "
+                        "plainly until room returns", batch.reqs[i].rid, reason)
 
     def _still_demoted(self, batch) -> set[int]:
         """The batch's demoted rows that stay plain this step; those whose room returned draft
