@@ -50,6 +50,7 @@ from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
 
 from sglang_vericache.compress import build_compressor
 from sglang_vericache.config import Placement
+from sglang_vericache.host_memory import hold_heap_pages
 from sglang_vericache.ops.cpu_draft_decode import load_cpu_draft_decode
 from sglang_vericache.ops.dropped_decode import PagedDecodeGeometry, paged_draft_decoder
 from sglang_vericache.ops.pool_kivi_decode import pool_kivi_decoder
@@ -100,6 +101,7 @@ class VeriCacheWorker(BaseSpecWorker):
         self._stager: FullKVStager | None = None
         self._ahead: DraftAhead | None = None
         self.clock = StepClock()  # where each decode step's time goes (metrics, step profile)
+        hold_heap_pages()  # a forward's activations reuse their pages (host_memory.py)
         # --vericache-draft-len 0: the offload-only baseline (full KV off the device, no drafts)
         self.offload_only = self.config.draft_len == 0
         # every request's state is in its record, in the scheduler's request table (found on

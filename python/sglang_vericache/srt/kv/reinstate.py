@@ -15,8 +15,9 @@ A compressor that scores tokens by the prompt's queries (SnapKV, H2O...) cannot 
 running row's compressed KV (the queries are gone): such a row stays demoted, tried once.
 
 A request whose prefill settles while another waits for memory, after the planner last found
-plain decoding with the waiting requests faster than drafting without them
-(``RequestBook.admission_first``, ``verify/step_plan.py``), starts demoted (``starts_demoted``):
+plain decoding with the waiting requests faster than drafting without them, or put them first
+while it could not weigh the two yet (``RequestBook.admission_first``, ``verify/step_plan.py``
+``ADMITTING``), starts demoted (``starts_demoted``):
 its compressed KV would take the pool slots the waiting request needs, and the planner would drop
 it for that request again, after a compression for nothing and decode steps of a small batch in
 place of a prefill (16 x 1k prompts on a budget of 2 requests' full KV: 14 compressed KV dropped
