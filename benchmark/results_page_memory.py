@@ -26,7 +26,7 @@ BUDGET_RUNS = {
 }
 # The step profiles that describe the current code, many rows first, then batch 1.
 STEP_PROFILES = [
-    "step_profile_ragged.json", "step_profile_verify_kernel.json",
+    "step_profile_heap.json", "step_profile_verify_kernel.json",
     "step_profile_16_batched_drafts.json", "step_profile_4k_fp16_drafts.json",
     "step_profile_8_kivi_packed.json", "step_profile_b1_kivi_s27.json",
     "step_profile_b1_snapkv_paired.json",

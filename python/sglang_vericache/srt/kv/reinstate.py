@@ -17,18 +17,16 @@ running row's compressed KV (the queries are gone): such a row stays demoted, tr
 A request whose prefill settles while another waits for memory, after the planner last found
 plain decoding with the waiting requests faster than drafting without them, or put them first
 while it could not weigh the two yet (``RequestBook.admission_first``, ``verify/step_plan.py``
-``ADMITTING``), starts demoted (``starts_demoted``):
-its compressed KV would take the pool slots the waiting request needs, and the planner would drop
-it for that request again, after a compression for nothing and decode steps of a small batch in
-place of a prefill (16 x 1k prompts on a budget of 2 requests' full KV: 14 compressed KV dropped
-within seconds of their build, 0.86x and 0.90x offload-only in two paired rounds,
+``ADMITTING``), starts demoted (``starts_demoted``): its compressed KV would take the pool
+slots the waiting request needs, and the planner would drop it for that request again, after a
+compression for nothing and decode steps of a small batch in place of a prefill (16 x 1k prompts
+on a budget of 2 requests' full KV: 14 compressed KV dropped within seconds of their build,
+0.86x and 0.90x offload-only in two paired rounds,
 ``benchmark/results/serving_grid_1k_tight_c16_before.json``; with this rule 0.95x and 0.92x,
-``serving_grid_1k_tight_c16.json``). At 8 x 1k on that budget it costs: 0.96x in both rounds
-(``serving_grid_1k_tight_c8.json``) against 1.01x and 0.97x without it
-(``serving_grid_1k_tight.json``), where drafting the first rows between prefills let them finish
-and free their room. It is built like a demoted row's once room returns. Only a compressor that
-needs no prompt queries (KIVI, StreamingLLM) can build it then (``builds_without_queries``);
-with any other the request compresses at once.
+``serving_grid_1k_tight_c16_settle.json``; 8 x 1k: 0.96x in both rounds,
+``serving_grid_1k_tight_c8_settle.json``). It is built like a demoted row's once room
+returns. Only a compressor that needs no prompt queries (KIVI, StreamingLLM) can build it then
+(``builds_without_queries``); with any other the request compresses at once.
 """
 
 from __future__ import annotations
