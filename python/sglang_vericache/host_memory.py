@@ -34,6 +34,7 @@ import math
 import mmap
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -67,25 +68,28 @@ MMAP_MIN_BYTES = 32 << 20
 TRIM_MIN_INTERVAL_S = 5.0
 
 
+def _glibc(name: str, argtypes: list[Any]) -> Any:
+    """Function ``name`` of this process's C library, typed to take ``argtypes`` and return an
+    int; None where it has none (not loadable, or not glibc)."""
+    try:  # find_library None: the process's own symbols, which include its C library's
+        function = getattr(ctypes.CDLL(ctypes.util.find_library("c")), name)
+    except (OSError, AttributeError):
+        return None
+    function.argtypes, function.restype = argtypes, ctypes.c_int
+    return function
+
+
 def glibc_malloc_trim() -> Callable[[], None] | None:
     """``malloc_trim(0)`` of this process's C library; None where it has none (not glibc)."""
-    try:  # find_library None: the process's own symbols, which include its C library's
-        trim = ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim
-    except (OSError, AttributeError):  # not loadable, or not glibc
-        return None
-    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
-    return lambda: trim(0)
+    trim = _glibc("malloc_trim", [ctypes.c_size_t])
+    return None if trim is None else lambda: trim(0)
 
 
 def hold_heap_pages() -> bool:
     """Fix this process's heap thresholds (module doc); False where it is not glibc's."""
-    try:
-        mallopt = ctypes.CDLL(ctypes.util.find_library("c")).mallopt
-    except (OSError, AttributeError):  # not loadable, or not glibc
-        return False
-    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    return bool(mallopt(M_TRIM_THRESHOLD, HEAP_KEEP_BYTES)
-                and mallopt(M_MMAP_THRESHOLD, MMAP_MIN_BYTES))
+    mallopt = _glibc("mallopt", [ctypes.c_int, ctypes.c_int])
+    return mallopt is not None and bool(mallopt(M_TRIM_THRESHOLD, HEAP_KEEP_BYTES)
+                                        and mallopt(M_MMAP_THRESHOLD, MMAP_MIN_BYTES))
 
 
 class IdleHeapTrim:
