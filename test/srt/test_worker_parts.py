@@ -249,3 +249,47 @@ def test_a_stored_prefix_seeds_a_new_state_and_stays_as_it_was(pool, spec: str) 
     for (ka, va), (kb, vb) in zip(stored.views(), before):
         assert torch.equal(ka, kb) and torch.equal(va, vb)  # the stored state is untouched
     assert stored.covered == T + 3
+
+
+@pytest.mark.parametrize("spec", ["snapkv:ratio=0.5", "h2o:ratio=0.5", "kivi:bits=4"])
+def test_deferred_runs_catch_up_to_the_state_appending_them_would_have_left(pool, spec) -> None:
+    """Lookup steps defer their committed tokens with the verify's queries; plain steps between
+    them bring none. One catch-up leaves the caches exactly as appending each step's tokens
+    (with the same queries) would have, across folds whose scores read those queries; a run
+    that is not inside what the catch-up covers is appended without its queries."""
+    from sglang_vericache.srt.kv.draft_state import FOLD_EVERY, RECENT_WINDOW, RequestDraftState
+
+    compressor = build_compressor(spec)
+    g = torch.Generator().manual_seed(1)
+    queries = [torch.randn(H_Q, 8, D, generator=g) for _ in range(LAYERS)]
+    build = lambda: RequestDraftState.build(compressor, layer_reader(pool, torch.arange(T)), T,  # noqa: E731
+                                            queries, LAYERS)  # fmt: skip
+    eager, lazy = build(), build()
+    read, slot, steps = reader(pool), 100, []
+    while slot < 100 + RECENT_WINDOW + FOLD_EVERY + 20:  # enough to fold at least once
+        n = 1 + len(steps) % 4
+        verified = None if len(steps) % 3 == 2 else [torch.randn(H_Q, n, D, generator=g)
+                                                     for _ in range(LAYERS)]  # plain: none
+        steps.append((torch.arange(slot, slot + n), verified))
+        slot += n
+    position = T
+    for slots, verified in steps:
+        eager.append(read, slots, verified or [None] * LAYERS)
+        if verified is not None:
+            lazy.defer(position, verified)
+        position += slots.numel()
+    lazy.check_integrity()
+    assert lazy.covered == T and lazy.deferred == sum(s.numel() for s, q in steps if q)
+    every = torch.arange(100, slot)
+    assert lazy.catch_up(lambda layer: read(layer, every), position) == position - T
+    lazy.check_integrity()
+    assert lazy.covered == eager.covered and not lazy.queued
+    assert all(cache.version >= 1 for cache in lazy.layers)  # it folded
+    for (ka, va), (kb, vb) in zip(lazy.views(), eager.views()):
+        assert torch.equal(ka, kb) and torch.equal(va, vb)
+
+    # a run past the positions caught up is stale: appended without, then dropped
+    stale = build()
+    stale.defer(T + 2, [torch.randn(H_Q, 3, D) for _ in range(LAYERS)])
+    assert stale.catch_up(lambda layer: read(layer, torch.arange(100, 103)), T + 3) == 3
+    assert not stale.queued and stale.covered == T + 3

@@ -67,7 +67,7 @@ from sglang_vericache.srt.decode.step_costs import (
 )
 from sglang_vericache.srt.hooks.grammar_rollback import roll_back_or_abort
 from sglang_vericache.srt.hooks.penalties import plain_would_overlap
-from sglang_vericache.srt.kv.draft_state import RequestDraftState
+from sglang_vericache.srt.kv.draft_state import DEFER_MAX, RequestDraftState
 from sglang_vericache.srt.kv.full_kv_stage import FullKVStager
 from sglang_vericache.srt.kv.offloader import PoolOffloader
 from sglang_vericache.srt.kv.reinstate import admission_waits, still_demoted
@@ -294,7 +294,8 @@ class DecodeStep:
             width, proposer = 1 + ahead.shape[1], Proposer.AHEAD
         elif lookup is not None:
             proposer = Proposer.LOOKUP
-        for i in drafted:  # plain steps left their compressed KV behind: level it first
+        for i in drafted if proposer is Proposer.COMPRESSED else ():
+            # plain and lookup steps left their compressed KV behind: level it first
             state, length = self.states[batch.reqs[i].rid], int(base[i])
             state.catch_up(offloader.range_reader(pool_rows[i], state.covered, length), length)
         self._lap(Phase.COMMIT)
@@ -362,12 +363,19 @@ class DecodeStep:
     def _commit(self, req, row: int, base: int, n: int, drafts: int, queries,
                 proposer: Proposer) -> None:  # fmt: skip
         """Book ``n`` committed tokens of a row verified over ``drafts`` drafts of ``proposer``:
-        compressed KV, stats, placement. (After lookup drafts too: left behind until the next
-        compressed step, its upkeep would land in that step's verify, which the cost fit prices
-        as a wide verify's.)"""
+        compressed KV, stats, placement. Drafts that did not come from the compressed KV
+        (lookup, ahead) leave it behind: the tokens wait, with their queries, for the next
+        step that drafts from it (``RequestDraftState.defer``), whose verify carries the
+        catch-up, or for ``DEFER_MAX`` of them."""
         state, offloader = self.states[req.rid], self.offloader()
-        slots = offloader.row_slots(row, base, base + n)
-        state.append(offloader.read_slots, slots, [q[:, :n] for q in queries])
+        if proposer is Proposer.COMPRESSED:  # caught up before drafting: covered == base
+            slots = offloader.row_slots(row, base, base + n)
+            state.append(offloader.read_slots, slots, [q[:, :n] for q in queries])
+        else:
+            state.defer(base, [q[:, :n] for q in queries])
+            if state.deferred >= DEFER_MAX:
+                reader = offloader.range_reader(row, state.covered, base + n)
+                state.catch_up(reader, base + n)
         span = offloader.ledger.span(row)
         fetched = 0 if span is None else span.host.nbytes  # host KV the verify read
         record = VerifyRecord(drafted=drafts, committed=n, bytes_fetched=fetched,

@@ -300,6 +300,7 @@ class VeriCacheWorker(BaseSpecWorker):
         goes when SGLang releases its row, right after (``RequestTable.close``)."""
         state = self.states.pop(rid, None)
         if state is not None and self.ahead is not None:
+            state.queued.clear()  # what it held back the next turn appends from its own KV
             self.ahead.park(rid, state)  # the prefix cache keeps it for the next turn
 
     def _result(self, batch, next_token_ids, accept_lens, new_seq_lens, logits_output):

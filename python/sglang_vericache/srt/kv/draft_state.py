@@ -29,6 +29,11 @@ RECENT_WINDOW = 32
 # in full precision.
 FOLD_EVERY = 128
 
+# Committed tokens a state holds back (``defer``) before they are appended anyway: their
+# queries wait beside it (~70 KB a token for SmolLM2's 30 layers), and a request whose drafts
+# keep coming from elsewhere would otherwise hold them until it ends.
+DEFER_MAX = 64
+
 # (layer_id, slots [n] int64) -> (keys, values), each [H_kv, n, D]: reads the device pool.
 PoolReader = Callable[[int, Tensor], tuple[Tensor, Tensor]]
 
@@ -41,15 +46,22 @@ class RequestDraftState:
     """The compressed KV of one request, one ``CompressedLayerCache`` per layer.
 
     ``covered`` is the number of leading positions whose KV the caches hold (compressed or in
-    their full-precision recent window). A verify step's commit keeps it equal to the request's
-    committed KV length; plain steps leave it behind (nothing drafts from it then), and
-    ``catch_up`` brings it level before the next draft.
+    their full-precision recent window). A verify step whose drafts came from the compressed KV
+    keeps it equal to the request's committed KV length; other steps leave it behind (nothing
+    drafts from it then): plain steps, and verifies of prompt-lookup drafts, which ``defer``
+    their tokens with the queries the verify computed. ``catch_up`` brings it level before the
+    next draft::
+
+        positions  0 ...... covered | plain | deferred (queries) | plain | ... length
+        caches     appended         | appended by catch_up, each run as its own append
     """
 
     layers: list[CompressedLayerCache]
     covered: int
     stats: VeriCacheStats = field(default_factory=VeriCacheStats)
     reused: int = 0  # leading positions copied from a stored compressed prefix (``from_prefix``)
+    # (first position, per-layer queries [H_q, n, D]) of each run of deferred tokens, in order
+    queued: list[tuple[int, list[Tensor]]] = field(default_factory=list)
 
     @classmethod
     def build(
@@ -145,25 +157,60 @@ class RequestDraftState:
     def catch_up(self, read: LayerReader, length: int,
                  queries: Sequence[Tensor | None] | None = None) -> int:  # fmt: skip
         """Append positions covered..length-1, read per layer by ``read`` ([H_kv, n, D] keys
-        and values of exactly those positions), as plain steps would have one by one (the
-        caches' state does not depend on how appends are chunked). queries[layer]: [H_q, W, D]
-        queries of the last W of those positions (kept for later folds' scoring), or None.
-        Returns n."""
+        and values of exactly those positions), as steps one by one would have (the caches'
+        state does not depend on how appends are chunked): the runs ``defer`` held back with
+        their queries, queries[layer] ([H_q, W, D] of the last W positions, kept for later
+        folds' scoring; or None) with those, the rest without. Returns n."""
         n = length - self.covered
         if n <= 0:
+            self.queued.clear()  # a held-back run past the committed KV is stale
             return 0
         positions = torch.arange(self.covered, length)
         for layer, cache in enumerate(self.layers):
             keys, values = read(layer)
-            q = None if queries is None else queries[layer]
-            w = 0 if q is None else min(q.shape[1], n)
-            if w < n:  # the older positions, without queries
-                cache.append(keys[:, : n - w], values[:, : n - w], positions[: n - w])
-            if w:
-                cache.append(keys[:, n - w :], values[:, n - w :], positions[n - w :],
-                             q[:, q.shape[1] - w :])  # fmt: skip
+            done = 0
+            for lo, q in self._runs(layer, n, None if queries is None else queries[layer]):
+                if lo > done:  # positions no verify gave queries for (plain steps)
+                    cache.append(keys[:, done:lo], values[:, done:lo], positions[done:lo])
+                done = lo + q.shape[1]
+                cache.append(keys[:, lo:done], values[:, lo:done], positions[lo:done], q)
+            if done < n:
+                cache.append(keys[:, done:], values[:, done:], positions[done:])
         self.covered = length
+        self.queued.clear()
         return n
+
+    def _runs(self, layer: int, n: int, last: Tensor | None) -> list[tuple[int, Tensor]]:
+        """(offset from ``covered``, queries [H_q, m, D]) of each run of the next ``n``
+        positions that has queries, in order and apart: the deferred runs, then the last W
+        positions' ``last`` [H_q, W, D] (which win where the two overlap). A run that does not
+        lie inside the n positions is left out (its positions are appended without)."""
+        w = 0 if last is None else min(last.shape[1], n)
+        runs, end = [], 0
+        for start, queries in self.queued:
+            lo = start - self.covered
+            q = queries[layer]
+            if lo >= end and lo + q.shape[1] <= n - w:
+                runs.append((lo, q))
+                end = lo + q.shape[1]
+        if w:
+            runs.append((n - w, last[:, last.shape[1] - w :]))
+        return runs
+
+    def defer(self, start: int, queries: Sequence[Tensor]) -> None:
+        """Hold back committed positions [start, start + n) for the next ``catch_up``, with
+        their queries (queries[layer]: [H_q, n, D], from the verify that committed them): a
+        step whose drafts did not come from the compressed KV leaves it behind as a plain step
+        does, and one catch-up of many tokens costs less than an append per step (~38 ms of a
+        ~600 ms step at 8 x 6k), while its folds score by the queries an append would have
+        given them, so the caches end the same."""
+        if queries and queries[0].shape[1]:
+            self.queued.append((start, list(queries)))
+
+    @property
+    def deferred(self) -> int:
+        """Tokens ``defer`` holds back."""
+        return sum(queries[0].shape[1] for _, queries in self.queued)
 
     def append(self, read: PoolReader, slots: Tensor, queries: Sequence[Tensor | None]) -> None:
         """Add newly committed tokens (KV at ``slots`` [n], positions covered..covered+n-1).
@@ -200,6 +247,10 @@ class RequestDraftState:
         for cache in self.layers:
             cache.check_integrity()
             assert cache.num_tokens == self.covered, "a layer covers a different token count"
+        end = self.covered
+        for start, queries in self.queued:
+            assert start >= end and len(queries) == len(self.layers), "deferred runs out of order"
+            end = start + queries[0].shape[1]
 
 
 def prompt_state(compressor: Compressor, offloader: Any, ahead: Any, req: Any, row: int,
