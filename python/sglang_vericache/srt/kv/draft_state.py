@@ -183,27 +183,38 @@ class RequestDraftState:
     def _runs(self, layer: int, n: int, last: Tensor | None) -> list[tuple[int, Tensor]]:
         """(offset from ``covered``, queries [H_q, m, D]) of each run of the next ``n``
         positions that has queries, in order and apart: the deferred runs, then the last W
-        positions' ``last`` [H_q, W, D] (which win where the two overlap). A run that does not
-        lie inside the n positions is left out (its positions are appended without)."""
+        positions' ``last`` [H_q, W, D] (which win where the two overlap), runs that meet
+        joined into one (one append each, not one per step). A run that does not lie inside
+        the n positions is left out (its positions are appended without)."""
         w = 0 if last is None else min(last.shape[1], n)
-        runs, end = [], 0
+        runs: list[tuple[int, list[Tensor]]] = []
+        end = 0
         for start, queries in self.queued:
-            lo = start - self.covered
-            q = queries[layer]
+            lo, q = start - self.covered, queries[layer]
             if lo >= end and lo + q.shape[1] <= n - w:
-                runs.append((lo, q))
+                self._add_run(runs, end, lo, q)
                 end = lo + q.shape[1]
         if w:
-            runs.append((n - w, last[:, last.shape[1] - w :]))
-        return runs
+            self._add_run(runs, end, n - w, last[:, last.shape[1] - w :])
+        return [(lo, qs[0] if len(qs) == 1 else torch.cat(qs, dim=1)) for lo, qs in runs]
+
+    @staticmethod
+    def _add_run(runs: list[tuple[int, list[Tensor]]], end: int, lo: int, q: Tensor) -> None:
+        """Add run ``q`` at ``lo`` to ``runs`` (whose last run ends at ``end``): joined to the
+        last run where it starts where that one ends."""
+        if runs and lo == end:
+            runs[-1][1].append(q)
+        else:
+            runs.append((lo, [q]))
 
     def defer(self, start: int, queries: Sequence[Tensor]) -> None:
         """Hold back committed positions [start, start + n) for the next ``catch_up``, with
         their queries (queries[layer]: [H_q, n, D], from the verify that committed them): a
         step whose drafts did not come from the compressed KV leaves it behind as a plain step
-        does, and one catch-up of many tokens costs less than an append per step (~38 ms of a
-        ~600 ms step at 8 x 6k), while its folds score by the queries an append would have
-        given them, so the caches end the same."""
+        does, and one catch-up of many tokens (one append per layer where no plain step came
+        between) costs less than an append per step (~38 ms of a ~600 ms step at 8 x 6k), while
+        its folds score by the queries an append would have given them: the caches end the
+        same."""
         if queries and queries[0].shape[1]:
             self.queued.append((start, list(queries)))
 
