@@ -89,7 +89,7 @@ class Results:
         return ", ".join(f"[{n}](results/{n})" for n in found)
 
 
-THROUGHPUT_HEADLINE = "step_profile_heap.json"  # the headline's throughput run
+THROUGHPUT_HEADLINE = "step_profile_joined.json"  # the headline's throughput run
 
 
 def git_days(root: Path) -> dict[str, str]:

@@ -18,7 +18,8 @@ NAME = "serving_grid.json"
 GRIDS = ("serving_grid_1k_paired.json", "serving_grid_1k_c8.json", "serving_grid_4k_random.json",
          "serving_grid_4k_c8_custom.json", "serving_grid_4k_c16.json",
          "serving_grid_4k_tight_c8.json", "serving_grid_1k_tight_c8.json",
-         "serving_grid_1k_tight_c16.json", "serving_grid_7k.json")
+         "serving_grid_1k_tight_c16.json", "serving_grid_1k_tight_c1.json",
+         "serving_grid_4k_c8_gsp.json", "serving_grid_7k.json", "serving_grid_7k_c1.json")
 COMMAND = "python benchmark/serving_grid.py"
 SERVERS = ("plain", "offload-only", "vericache")
 
@@ -26,7 +27,7 @@ TEXT = """
 `python -m sglang.benchmark.serving`, `--vericache` (`auto`) vs the baselines; 64 new tokens each.
 """
 
-HEAD = ["budget", "dataset", "VeriCache / better baseline, output tok/s (input: by concurrency)",
+HEAD = ["budget", "dataset", "VeriCache / better baseline, output tok/s (input: concurrency ratio)",
         "output tok/s plain / offload-only / VeriCache (heaviest cell)", "identical"]  # fmt: skip
 
 
@@ -44,7 +45,7 @@ def rows(res: Results, report: dict[str, Any], name: str = NAME) -> list[Row]:
         by_len: dict[int, list[str]] = {}
         for c in sorted(cells, key=lambda c: (c["input_len"], c["concurrency"])):
             by_len.setdefault(c["input_len"], []).append(
-                _num(c["summary"]["ratio"]["output_throughput"], ".2f"))
+                f"c{c['concurrency']} " + _num(c["summary"]["ratio"]["output_throughput"], ".2f"))
         ratios = "; ".join(f"{n}: {', '.join(v)}" for n, v in by_len.items())
         top = max(cells, key=lambda c: (c["input_len"], c["concurrency"]))
         figures = " / ".join(_num(top["summary"]["servers"].get(s, {}).get("output_throughput"),

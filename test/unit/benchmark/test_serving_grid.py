@@ -156,7 +156,7 @@ def test_the_results_page_section_from_a_report_and_without_one(tmp_path: Path) 
     (tmp_path / GRIDS[0]).write_text(json.dumps(report))
     lines = serving(Results(tmp_path))
     row = next(line for line in lines if line.startswith("| tight |"))
-    assert "1024: 1.10, 1.30; 4096: 0.90" in row
+    assert "1024: c1 1.10, c8 1.30; 4096: c1 0.90" in row
     assert "100.0 / 120.0 / 108.0 (in 4096, c1)" in row and "| 12/12 |" in row
     assert "2027-01-02" in row and "`python benchmark/serving_grid.py --rounds 1`" in row
     [(question, answer, date, section)] = serving_headline(Results(tmp_path))
