@@ -202,7 +202,6 @@ class StepPlanner:
                 best_x, best_rate = x, rate
         return best_x, best_rate
 
-
     def best_lookup(self, rows: Sequence[PlannedRow]) -> tuple[int, float]:
         """The lookup draft count of the highest predicted rate (module doc), and that rate;
         (0, 0.0) when no row has a lookup draft. Every row commits at least its verify's token.
