@@ -31,7 +31,7 @@ STEP_PROFILES = [
     "step_profile_8_kivi_packed.json", "step_profile_b1_kivi_s27.json",
     "step_profile_b1_snapkv_paired.json",
 ]  # fmt: skip
-SOURCE_PROFILE = "source_profile_deferred.json"
+SOURCE_PROFILE = "source_profile_joined.json"
 
 
 def _budgets(data: dict) -> list[dict]:
