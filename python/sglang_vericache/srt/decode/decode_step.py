@@ -296,8 +296,7 @@ class DecodeStep:
             proposer = Proposer.LOOKUP
         for i in drafted if proposer is Proposer.COMPRESSED else ():
             # plain and lookup steps left their compressed KV behind: level it first
-            state, length = self.states[batch.reqs[i].rid], int(base[i])
-            state.catch_up(offloader.range_reader(pool_rows[i], state.covered, length), length)
+            self._level(self.states[batch.reqs[i].rid], pool_rows[i], int(base[i]))
         self._lap(Phase.COMMIT)
         # the verify's host-resident full KV goes to the device while the batch drafts (a GPU)
         stager = self.stager()
@@ -360,6 +359,10 @@ class DecodeStep:
         return self.result(batch, tokens.flatten(), accept_lens, new_seq_lens,
                            out.logits_output)  # fmt: skip
 
+    def _level(self, state: RequestDraftState, row: int, length: int) -> None:
+        """Catch ``state`` up with the ``length`` committed positions of pool ``row``."""
+        state.catch_up(self.offloader().range_reader(row, state.covered, length), length)
+
     def _commit(self, req, row: int, base: int, n: int, drafts: int, queries,
                 proposer: Proposer) -> None:  # fmt: skip
         """Book ``n`` committed tokens of a row verified over ``drafts`` drafts of ``proposer``:
@@ -374,8 +377,7 @@ class DecodeStep:
         else:
             state.defer(base, [q[:, :n] for q in queries])
             if state.deferred >= DEFER_MAX:
-                reader = offloader.range_reader(row, state.covered, base + n)
-                state.catch_up(reader, base + n)
+                self._level(state, row, base + n)
         span = offloader.ledger.span(row)
         fetched = 0 if span is None else span.host.nbytes  # host KV the verify read
         record = VerifyRecord(drafted=drafts, committed=n, bytes_fetched=fetched,

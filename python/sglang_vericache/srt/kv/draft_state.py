@@ -53,7 +53,8 @@ class RequestDraftState:
     next draft::
 
         positions  0 ...... covered | plain | deferred (queries) | plain | ... length
-        caches     appended         | appended by catch_up, each run as its own append
+        caches     appended         | appended by catch_up: one append per run, deferred
+                                    | runs that meet joined into one
     """
 
     layers: list[CompressedLayerCache]
