@@ -26,7 +26,7 @@ BUDGET_RUNS = {
 }
 # The step profiles that describe the current code, many rows first, then batch 1.
 STEP_PROFILES = [
-    "step_profile_joined.json", "step_profile_verify_kernel.json",
+    "step_profile_joined.json", "step_profile_joined_r3.json",
     "step_profile_16_batched_drafts.json", "step_profile_4k_fp16_drafts.json",
     "step_profile_8_kivi_packed.json", "step_profile_b1_kivi_s27.json",
     "step_profile_b1_snapkv_paired.json",
@@ -208,8 +208,8 @@ verified row, and a draft forward's time. Prompts are cut to at most the stated 
 
 STEP_LIMITS = """
 Limits, plainly:
-- First row: round 0 ran offload-only on busier cores (plain step 451 ms, VeriCache's 371); the
-  paired round: 2.19x. The verify is 76% of the time; end to end 1.29x offload-only. No GPU here.
+- First two rows, one command and code: round 0 met uneven load (plain steps 451/371 ms, 330/406),
+  paired rounds 2.01-2.41x; the verify is 76-80% of a step; end to end 1.18-1.29x. No GPU here.
 - Batch 1: a width-8 verify costs 1.9x a plain step; KIVI at 8 x 5-7k: unpacking costs more than
   the bytes saved (0.90x): in both the planner decodes plainly.
 """
