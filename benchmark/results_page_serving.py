@@ -12,14 +12,14 @@ from typing import Any
 
 from benchmark.results_page import Results, Row, prose, table
 
-NAME = "serving_grid.json"
-# the grid's runs so far, each a part of the grid (one machine runs a few cells an hour); NAME's
-# single rounds (4k / c8; 1k / c1, c16: serving_grid_1k.json) are superseded by paired runs
+# the grid's runs so far, each a part of the grid (one machine runs a few cells an hour), merged
+# on the page by budget and dataset; serving_grid.json's single rounds (4k / c8; 1k / c1, c16: serving_grid_1k.json) are superseded by paired runs
 GRIDS = ("serving_grid_1k_paired.json", "serving_grid_1k_c8.json", "serving_grid_4k_random.json",
          "serving_grid_4k_c8_custom.json", "serving_grid_4k_c16.json",
          "serving_grid_4k_tight_c8.json", "serving_grid_1k_tight_c8.json",
          "serving_grid_1k_tight_c16.json", "serving_grid_1k_tight_c1.json",
-         "serving_grid_4k_c8_gsp.json", "serving_grid_7k.json", "serving_grid_7k_c1.json")
+         "serving_grid_4k_c8_gsp.json", "serving_grid_7k.json", "serving_grid_7k_c1.json",
+         "serving_grid_1k_custom.json")
 COMMAND = "python benchmark/serving_grid.py"
 SERVERS = ("plain", "offload-only", "vericache")
 
@@ -35,24 +35,33 @@ def _num(v: Any, fmt: str) -> str:
     return "-" if v is None else format(v, fmt)
 
 
-def rows(res: Results, report: dict[str, Any], name: str = NAME) -> list[Row]:
-    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
-    for c in report["cells"]:
-        if c.get("summary"):
-            groups.setdefault((c["budget"], c["dataset"]), []).append(c)
+def rows(res: Results, reports: dict[str, dict[str, Any]]) -> list[Row]:
+    """One row per budget and dataset over every report (``{file name: report}``): a later
+    report's cell replaces an earlier one of the same input length and concurrency. The row's
+    date is its newest report's; its command reruns each report it draws on."""
+    groups: dict[tuple[str, str], dict[tuple[int, int], tuple[str, dict[str, Any]]]] = {}
+    for name, report in reports.items():
+        for c in report["cells"]:
+            if c.get("summary"):
+                key = (c["input_len"], c["concurrency"])
+                groups.setdefault((c["budget"], c["dataset"]), {})[key] = (name, c)
     out = []
-    for (budget, dataset), cells in groups.items():
+    for (budget, dataset), found in sorted(groups.items()):
+        cells = [c for _, (_, c) in sorted(found.items())]
+        names = list(dict.fromkeys(n for n, _ in found.values()))
         by_len: dict[int, list[str]] = {}
-        for c in sorted(cells, key=lambda c: (c["input_len"], c["concurrency"])):
+        for c in cells:
             by_len.setdefault(c["input_len"], []).append(
                 f"c{c['concurrency']} " + _num(c["summary"]["ratio"]["output_throughput"], ".2f"))
         ratios = "; ".join(f"{n}: {', '.join(v)}" for n, v in by_len.items())
-        top = max(cells, key=lambda c: (c["input_len"], c["concurrency"]))
+        top = cells[-1]  # the longest input at its highest concurrency
         figures = " / ".join(_num(top["summary"]["servers"].get(s, {}).get("output_throughput"),
                                   ".1f") for s in SERVERS)  # fmt: skip
-        out.append(res.row(name, [budget, f"`{dataset}`", ratios,
-                                  f"{figures} (in {top['input_len']}, c{top['concurrency']})",
-                                  _identical(cells)], report.get("command", COMMAND)))  # fmt: skip
+        row = res.row(max(names, key=res.date), [
+            budget, f"`{dataset}`", ratios, f"{figures} (in {top['input_len']}, "
+            f"c{top['concurrency']})", _identical(cells)],
+            " && ".join(reports[n].get("command", COMMAND) for n in names))  # fmt: skip
+        out.append(row)
     return out
 
 
@@ -64,7 +73,7 @@ def _identical(cells: list[dict[str, Any]]) -> str:
 
 def serving(res: Results) -> list[str]:
     """The section's body; one line while the grid has not run (the page stays under 500)."""
-    found = [r for name in GRIDS if (report := res.load(name)) for r in rows(res, report, name)]
+    found = rows(res, {name: report for name in GRIDS if (report := res.load(name))})
     if not found:
         not_run = (f"Not yet run: `{COMMAND}` (SGLang's own client, `python -m "
                    "sglang.benchmark.serving`, against plain SGLang, offload-only and "

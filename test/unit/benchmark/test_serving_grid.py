@@ -159,6 +159,16 @@ def test_the_results_page_section_from_a_report_and_without_one(tmp_path: Path) 
     assert "1024: c1 1.10, c8 1.30; 4096: c1 0.90" in row
     assert "100.0 / 120.0 / 108.0 (in 4096, c1)" in row and "| 12/12 |" in row
     assert "2027-01-02" in row and "`python benchmark/serving_grid.py --rounds 1`" in row
+    more = plan.summarize_cell([_round(100, 120, 180, (1, 1, 1))])
+    later = {"date": "2027-01-05", "command": "python benchmark/serving_grid.py --rounds 2",
+             "cells": [{"budget": "tight", "dataset": "random-ids", "input_len": 1024,
+                        "concurrency": 16, "summary": more}]}  # fmt: skip
+    (tmp_path / GRIDS[1]).write_text(json.dumps(later))
+    [row] = [line for line in serving(Results(tmp_path)) if line.startswith("| tight |")]
+    assert "1024: c1 1.10, c8 1.30, c16 1.50; 4096: c1 0.90" in row and "| 16/16 |" in row
+    assert "2027-01-05" in row and ("`python benchmark/serving_grid.py --rounds 1 && "
+                                    "python benchmark/serving_grid.py --rounds 2`") in row
+    (tmp_path / GRIDS[1]).unlink()
     [(question, answer, date, section)] = serving_headline(Results(tmp_path))
     assert "3 cells" in answer and "0 in paired rounds" in answer
     assert "**0.90-1.30x**, lowest at tight 4096 / c1 `random-ids`" in answer and "12/12" in answer
