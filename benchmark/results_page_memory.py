@@ -251,7 +251,23 @@ def step_profile(res: Results) -> list[str]:
     lines += source_profile(res)
     links = res.links(*(n.replace(".json", ext) for n in [*STEP_PROFILES, SOURCE_PROFILE]
                         for ext in (".md", ".png")))  # fmt: skip
-    return lines + ["", f"Details and plots: {links}.", ""] + prose(STEP_LIMITS)
+    return lines + ["", f"Details and plots: {links}.", ""] + prose(STEP_LIMITS) + layer_skip(res)
+
+
+def layer_skip(res: Results) -> list[str]:
+    """One paragraph: the cheaper draft a layer-skipped forward would be, and what it keeps."""
+    data = res.load("layer_skip_agreement.json")
+    if not data:
+        return []
+    s = data["settings"]
+    kept = ", ".join(f"{r['skipped']} of {s['layers']}: {100 * r['agreement']:.1f}%"
+                     for r in data["least_harmful"])  # fmt: skip
+    return ["", f"Layer-skipped drafts, not offered: the model's argmax with its least harmful "
+            f"layers skipped agrees with the full model's at {kept} of positions "
+            f"({len(data['prompts'])} held-out prompts, teacher-forced; `python benchmark/"
+            f"layer_skip_agreement.py`, {res.date('layer_skip_agreement.json')}), against 86-95% "
+            "accepted from full-depth drafts over the 4x-compressed KV above; skipping k layers "
+            f"saves about k / {s['layers']} of a draft forward."]
 
 
 KERNEL_TEXT = """
