@@ -265,7 +265,8 @@ def headline(res: Results) -> list[str]:
         answer = (f"8 x 5-7k-token prompts: decode **{fx(median(ratios))} offload-only** at the "
                   f"median of {len(ratios)} rounds in {len(runs)} runs "
                   f"({', '.join(fx(r) for r in sorted(ratios))}; prompt-lookup drafts in "
-                  f"{int(lookup)} of {steps} profiled steps); end to end, prefill included, {', '.join(fx(e) for e in e2e)}")
+                  f"{int(lookup)} of {steps} profiled steps); end to end, prefill included, "
+                  + ", ".join(fx(e) for e in e2e))  # fmt: skip
         rows.append(("Is it faster where attention dominates?", answer,
                      res.date(THROUGHPUT_HEADLINE[-1]), "Throughput where attention dominates"))
 

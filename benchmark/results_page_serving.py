@@ -13,7 +13,8 @@ from typing import Any
 from benchmark.results_page import Results, Row, prose, table
 
 # the grid's runs so far, each a part of the grid (one machine runs a few cells an hour), merged
-# on the page by budget and dataset; serving_grid.json's single rounds (4k / c8; 1k / c1, c16: serving_grid_1k.json) are superseded by paired runs
+# on the page by budget and dataset; the single rounds of serving_grid.json (4k / c8) and
+# serving_grid_1k.json (1k / c1, c16) are superseded by paired runs
 GRIDS = ("serving_grid_1k_paired.json", "serving_grid_1k_c8.json", "serving_grid_4k_random.json",
          "serving_grid_4k_c8_custom.json", "serving_grid_4k_c16.json",
          "serving_grid_4k_tight_c8.json", "serving_grid_1k_tight_c8.json",
