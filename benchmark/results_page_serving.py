@@ -21,7 +21,8 @@ GRIDS = ("serving_grid_1k_paired.json", "serving_grid_1k_c8.json", "serving_grid
          "serving_grid_1k_tight_c16.json", "serving_grid_1k_tight_c1.json",
          "serving_grid_4k_c8_gsp.json", "serving_grid_7k.json", "serving_grid_7k_c1.json",
          "serving_grid_1k_custom.json", "serving_grid_4k_tight_c1.json",
-         "serving_grid_4k_custom_c1.json", "serving_grid_1k_tight_custom.json")
+         "serving_grid_4k_custom_c1.json", "serving_grid_1k_tight_custom.json",
+         "serving_grid_1k_tight_custom_c8.json")
 COMMAND = "python benchmark/serving_grid.py"
 SERVERS = ("plain", "offload-only", "vericache")
 
@@ -92,7 +93,9 @@ def serving_headline(res: Results) -> list[tuple[str, str, str, str]]:
     """The headline row: every grid cell's ratio (median over its rounds), the lowest named."""
     found = {name: cells for name in GRIDS if (report := res.load(name))
              if (cells := [c for c in report["cells"] if c.get("summary")])}  # fmt: skip
-    cells = [c for name_cells in found.values() for c in name_cells]
+    # a later file's cell replaces an earlier one of the same shape, as in the table
+    cells = list({(c["budget"], c["dataset"], c["input_len"], c["concurrency"]): c
+                  for name_cells in found.values() for c in name_cells}.values())  # fmt: skip
     if not cells:
         return []
 
