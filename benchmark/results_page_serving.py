@@ -38,32 +38,40 @@ def _num(v: Any, fmt: str) -> str:
     return "-" if v is None else format(v, fmt)
 
 
-def rows(res: Results, reports: dict[str, dict[str, Any]]) -> list[Row]:
-    """One row per budget and dataset over every report (``{file name: report}``): a later
-    report's cell replaces an earlier one of the same input length and concurrency. The row's
-    date is its newest report's; its command reruns each report it draws on."""
-    groups: dict[tuple[str, str], dict[tuple[int, int], tuple[str, dict[str, Any]]]] = {}
-    for name, report in reports.items():
-        for c in report["cells"]:
-            if c.get("summary"):
-                key = (c["input_len"], c["concurrency"])
-                groups.setdefault((c["budget"], c["dataset"]), {})[key] = (name, c)
+Cell = dict[str, Any]
+Shape = tuple[str, str, int, int]  # budget, dataset, input length, concurrency
+
+
+def grid_cells(res: Results) -> dict[Shape, tuple[str, Cell]]:
+    """Every summarized cell of the ``GRIDS`` files, with the file it came from; a later file's
+    cell replaces an earlier one of the same shape (a rerun)."""
+    return {(c["budget"], c["dataset"], c["input_len"], c["concurrency"]): (name, c)
+            for name in GRIDS if (report := res.load(name))
+            for c in report["cells"] if c.get("summary")}  # fmt: skip
+
+
+def rows(res: Results, cells: dict[Shape, tuple[str, Cell]]) -> list[Row]:
+    """One row per budget and dataset over ``cells`` (``grid_cells``). The row's date is its
+    newest file's; its command reruns each file it draws on."""
+    groups: dict[tuple[str, str], list[tuple[str, Cell]]] = {}
+    for (budget, dataset, _, _), found in sorted(cells.items()):
+        groups.setdefault((budget, dataset), []).append(found)
     out = []
-    for (budget, dataset), found in sorted(groups.items()):
-        cells = [c for _, (_, c) in sorted(found.items())]
-        names = list(dict.fromkeys(n for n, _ in found.values()))
+    for (budget, dataset), found in groups.items():
+        group = [c for _, c in found]
+        names = [n for n in GRIDS if any(n == m for m, _ in found)]  # in run order
         by_len: dict[int, list[str]] = {}
-        for c in cells:
+        for c in group:
             by_len.setdefault(c["input_len"], []).append(
                 f"c{c['concurrency']} " + _num(c["summary"]["ratio"]["output_throughput"], ".2f"))
         ratios = "; ".join(f"{n}: {', '.join(v)}" for n, v in by_len.items())
-        top = cells[-1]  # the longest input at its highest concurrency
+        top = group[-1]  # the longest input at its highest concurrency
         figures = " / ".join(_num(top["summary"]["servers"].get(s, {}).get("output_throughput"),
                                   ".1f") for s in SERVERS)  # fmt: skip
         row = res.row(max(names, key=res.date), [
             budget, f"`{dataset}`", ratios, f"{figures} (in {top['input_len']}, "
-            f"c{top['concurrency']})", _identical(cells)],
-            " && ".join(reports[n].get("command", COMMAND) for n in names))  # fmt: skip
+            f"c{top['concurrency']})", _identical(group)],
+            " && ".join(res.load(n).get("command", COMMAND) for n in names))  # fmt: skip
         out.append(row)
     return out
 
@@ -76,7 +84,7 @@ def _identical(cells: list[dict[str, Any]]) -> str:
 
 def serving(res: Results) -> list[str]:
     """The section's body; one line while the grid has not run (the page stays under 500)."""
-    found = rows(res, {name: report for name in GRIDS if (report := res.load(name))})
+    found = rows(res, grid_cells(res))
     if not found:
         not_run = (f"Not yet run: `{COMMAND}` (SGLang's own client, `python -m "
                    "sglang.benchmark.serving`, against plain SGLang, offload-only and "
@@ -91,11 +99,8 @@ def serving(res: Results) -> list[str]:
 
 def serving_headline(res: Results) -> list[tuple[str, str, str, str]]:
     """The headline row: every grid cell's ratio (median over its rounds), the lowest named."""
-    found = {name: cells for name in GRIDS if (report := res.load(name))
-             if (cells := [c for c in report["cells"] if c.get("summary")])}  # fmt: skip
-    # a later file's cell replaces an earlier one of the same shape, as in the table
-    cells = list({(c["budget"], c["dataset"], c["input_len"], c["concurrency"]): c
-                  for name_cells in found.values() for c in name_cells}.values())  # fmt: skip
+    found = grid_cells(res).values()
+    cells = [c for _, c in found]
     if not cells:
         return []
 
@@ -119,5 +124,5 @@ def serving_headline(res: Results) -> list[tuple[str, str, str, str]]:
               f"**{ratio(low):.2f}-{ratio(high):.2f}x**, lowest at {low['budget']} "
               f"{low['input_len']} / c{low['concurrency']} `{low['dataset']}`{failed}; "
               f"{_identical(cells)} texts identical")  # fmt: skip
-    return [("Is it ahead on SGLang's own benchmark?", answer, max(map(res.date, found)),
+    return [("Is it ahead on SGLang's own benchmark?", answer, max(res.date(n) for n, _ in found),
              "Serving through SGLang's client")]  # fmt: skip
