@@ -97,8 +97,8 @@ def measure(n: int, min_tokens: int, max_tokens: int, seed: int, counts: list[in
     return {"benchmark": "layer_skip_agreement", "date": date.today().isoformat(),
             "settings": {"n": n, "min_tokens": min_tokens, "max_tokens": max_tokens,
                          "seed": seed, "layers": len(layers), "threads": torch.get_num_threads()},
-            "prompts": [{"kind": p["kind"], "tokens": len(tok.encode(p["text"]))}
-                        for p in prompts],
+            "prompts": [{"kind": p["kind"], "tokens": ids.shape[1]}
+                        for p, (ids, _, _) in zip(prompts, cases, strict=True)],
             "single": {i: mean(a) for i, a in single.items()},
             "least_harmful": [{"skipped": k, "layers": chosen[k], "agreement": mean(sets[k])}
                               for k in chosen]}  # fmt: skip
