@@ -226,6 +226,33 @@ def test_auto_under_memory_pressure_is_exact_offloads_and_measures_both_modes(
     assert {"measuring plain decode", "measuring drafting"} <= decisions, steps
 
 
+def test_rows_demoted_for_admission_still_verify_their_lookup_drafts(
+    prompts, reference, tmp_path: Path
+) -> None:
+    """A budget of about two of the four prompts' full KV: requests that wait for memory make
+    running rows drop their compressed KV (``_demote_for_room``) or never build it
+    (``starts_demoted``). Such a row has nothing to draft from but its own context: its
+    prompt-lookup drafts still go through the full-KV verify (``StepRows.lookup_only``), and
+    every token is plain SGLang's."""
+    extra = ("--max-total-tokens", "900", "--chunked-prefill-size", "512",
+             "--vericache-proposer", "lookup")  # fmt: skip
+    with vericache_server("kivi:bits=4", tmp_path, "auto", extra=extra) as server:
+
+        def one(prompt: Prompt) -> dict:
+            return http_json(server.url + "/generate", {"text": prompt.text, "sampling_params": {
+                "temperature": 0, "max_new_tokens": MAX_NEW_TOKENS}})  # fmt: skip
+
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            outs = list(pool.map(one, prompts))
+        log = (tmp_path / "vericache.log").read_text(errors="replace")
+    for ref, out in zip(reference, outs):
+        assert tuple(out["output_ids"]) == ref.output_ids
+    assert "for admission" in log or "while requests wait for memory" in log
+    stats = [out["meta_info"]["vericache"] for out in outs]
+    demoted = [s for s in stats if "dropped to make room" in s["plain_reason"]]
+    assert any(s["proposers"].get("lookup", {}).get("verify_steps", 0) for s in demoted), stats
+
+
 def test_prometheus_metrics_count_verifications(kivi_server, prompts) -> None:
     http_json(kivi_server.url + "/generate", {
         "text": prompts[1].text, "sampling_params": {"temperature": 0, "max_new_tokens": 8},

@@ -137,8 +137,19 @@ def test_grammar_rows_draft_when_their_backend_rolls_back_and_step_rows_split_a_
     assert (step.drafted, step.sampled, step.plain) == ([0, 1, 2], [1, 2], [3, 4])
     assert step.grammar == [1]
     assert StepRows.of(batch, drafting=False).plain == [0, 1, 2, 3, 4]
+    # demoted rows decode plainly; the greedy ones without grammar or penalties may still
+    # take prompt-lookup drafts (their own context needs no compressed KV)
+    batch.insert(1, _req(temperature=0, repetition_penalty=1.2))
+    step = StepRows.of(batch).without({0, 1, 2, 3})
+    assert (step.drafted, step.demoted, step.lookup_only) == ([], [0, 1, 2, 3], [0])
+    assert StepRows.of(batch).without({0}).lookup_rows == [0, 1]  # row 1's penalties mirrored
+    assert step.plain == [0, 1, 2, 3, 4, 5] and step.takes_lookup  # demoted: none sampled
+    assert StepRows.of(batch).without({0}).takes_lookup is False  # rows 2, 3 draw from q
+    assert StepRows.of([_req(temperature=0), _req(presence_penalty=0.5)]).without(
+        {0}).takes_lookup  # plain rows ride along in a lookup step
     batch[0].return_hidden_states = True
     assert StepRows.of(batch).drafted == []
+    assert StepRows.of(batch).without({0, 1}).lookup_only == []  # the whole step is plain
 
 
 def test_logprob_requests_are_drafted_and_hidden_states_make_the_step_plain() -> None:

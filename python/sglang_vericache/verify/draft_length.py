@@ -27,8 +27,9 @@ EWMA = 0.8  # weight of the previous estimate in ``ewma``
 @dataclass(frozen=True, slots=True)
 class StepRow:
     """A batch row as the worker sees it: request id, committed KV tokens, tokens in its
-    compressed view, tokens it may still emit, whether it can draft, and its prompt-lookup
-    draft: ``lookup`` tokens (0: none this step) accepted at ``lookup_alpha``."""
+    compressed view, tokens it may still emit, whether it can draft from its compressed KV, and
+    its prompt-lookup draft: ``lookup`` tokens (0: none this step) accepted at
+    ``lookup_alpha`` (a row without compressed KV may carry one too)."""
 
     rid: str
     context: int
@@ -63,13 +64,16 @@ class DraftLengthController:
     def plan(self, rows: Sequence[StepRow], joining: Sequence[int] = ()) -> StepDecision:
         """``joining``: contexts of waiting requests the drafted rows' compressed KV keeps out
         (``StepPlanner.plan``)."""
-        if not any(r.drafts for r in rows):
-            return StepDecision(0, "no row can draft")
+        compressed = any(r.drafts for r in rows)
         longest = max(r.lookup for r in rows) if self.proposer != "compressed" else 0
+        if not (compressed or longest):
+            return StepDecision(0, "no row can draft")
         if self.fixed is not None or (self.proposer == "lookup" and longest):
             drafts = min(self.fixed or self.max_drafts, self.max_drafts)
-            if self.proposer == "lookup" and longest:
-                return StepDecision(min(drafts, longest), FORCED_LOOKUP, proposer=Proposer.LOOKUP)
+            if longest and (self.proposer == "lookup" or not compressed):
+                # rows without compressed KV (dropped for admission) draft what they can
+                reason = FORCED_LOOKUP if self.proposer == "lookup" else FIXED
+                return StepDecision(min(drafts, longest), reason, proposer=Proposer.LOOKUP)
             return StepDecision(drafts, FIXED)
         return self.planner.plan([
             PlannedRow(r.context, r.compressed, self._estimate(r.rid).alpha, max(1, r.remaining),

@@ -91,8 +91,10 @@ class VeriCacheStats:
 
     ``accepted <= drafted`` and ``committed == accepted + verify_steps`` hold
     at all times (every verification commits exactly one non-draft token).
-    A PLAIN request names its reason and records no verification; its counters stay at zero,
-    or at what it drafted before it was demoted to plain decoding (``demoted``). For a
+    A PLAIN request names its reason and records no verification of compressed-KV drafts; its
+    counters stay at zero, or at what it drafted before it was demoted to plain decoding
+    (``demoted``) plus the prompt-lookup drafts it verified since (a draft of its own context
+    needs no compressed KV). For a
     SAMPLED request ``accepted`` counts drafts that passed their min(1, p/q) coin.
     """
 
@@ -124,9 +126,9 @@ class VeriCacheStats:
         return replace(self, mode=DecodeMode.PLAIN, plain_reason=reason)
 
     def record(self, rec: VerifyRecord) -> None:
-        """Add one verification. Raises on a PLAIN request."""
-        if not self.mode.drafted:
-            raise RuntimeError("a plain-decoded request has no verifications")
+        """Add one verification. Raises on a PLAIN request's, but for prompt-lookup drafts."""
+        if not (self.mode.drafted or rec.proposer is Proposer.LOOKUP):
+            raise RuntimeError("a plain-decoded request verifies no compressed-KV drafts")
         self.drafted += rec.drafted
         self.accepted += rec.accepted
         self.committed += rec.committed

@@ -17,15 +17,18 @@ own acceptance ``beta_i``; a lookup step costs no draft forward::
                   / T_verify(rows * W, sum L_i + W)
 
 and it is chosen where it beats both (and plain by ``margin``) (hysteresis: a tie
-is not worth the compressed KV's upkeep). Drafting pays where attention over the full KV
-dominates a step (long contexts, large batches, high acceptance) and loses where the fixed and
-per-token cost of x + 1 forwards dominates: the same code finds both, on any device, from what
-it measured. Until every kind of forward has been timed a few times the planner measures (plain
-first, then drafting with short chains: 2, 4, 2 drafts, enough to tell a verify's per-query cost
-from its fixed cost, where the first chains of a fresh server would otherwise cost the most).
-Afterwards it now and then runs the mode it would not have chosen, so a fit never goes stale
-while the other mode is winning: first after ``explore_every`` decisions, then twice as long
-after each exploration that confirmed the choice (up to ``explore_max``), and back to
+is not worth the compressed KV's upkeep). Rows that dropped their compressed KV for admission
+(below) still carry lookup drafts: where none is left to draft from, the step weighs lookup
+against plain decoding alone (``_plan_lookup``), measured and explored the same way.
+
+Drafting pays where attention over the full KV dominates a step (long contexts, large batches, high
+acceptance) and loses where the fixed and per-token cost of x + 1 forwards dominates: the same code
+finds both, on any device, from what it measured. Until every kind of forward has been timed a few
+times the planner measures (plain first, then drafting with short chains: 2, 4, 2 drafts, enough to
+tell a verify's per-query cost from its fixed cost, where the first chains of a fresh server would
+otherwise cost the most). Afterwards it now and then runs the mode it would not have chosen, so a
+fit never goes stale while the other mode is winning: first after ``explore_every`` decisions, then
+twice as long after each exploration that confirmed the choice (up to ``explore_max``), and back to
 ``explore_every`` when one changed it. An exploration into drafting drafts the shortest chain:
 it is a probe, and where drafting loses every extra draft is lost time. A batch that outgrew
 what a fit has seen (``StepCostModel.covers``: the warm-up request measured one short row) is
@@ -135,6 +138,8 @@ class StepPlanner:
         """This step's draft count for ``rows``; ``joining``: rows that would be admitted if the
         drafted rows dropped their compressed KV (module doc), decoded plainly if they join."""
         if not any(r.drafts for r in rows):
+            if any(r.lookup for r in rows):
+                return self._plan_lookup(rows, joining)
             return StepDecision(0, "no row can draft")
         self.decisions += 1
         probe = self._cap(rows, self.min_drafts)
@@ -163,6 +168,33 @@ class StepPlanner:
         x = 0 if drafting else self._cap(rows, self.min_drafts)
         return StepDecision(x, "exploring", plain_rate, draft_rate)
 
+    def _plan_lookup(self, rows: Sequence[PlannedRow],
+                     joining: Sequence[PlannedRow]) -> StepDecision:  # fmt: skip
+        """No row drafts from compressed KV (every one dropped it for admission) but some carry
+        prompt-lookup drafts: a lookup step or a plain one, measured and explored as above."""
+        self.decisions += 1
+        longest = max(1, self._lookup_cap(rows))
+        probe = min(longest, self.min_drafts)
+        plain_measured = self.costs.covers(ForwardKind.PLAIN, plain_shape(rows))
+        lookup_measured = self.costs.covers(
+            ForwardKind.VERIFY, verify_shape(rows, probe + 1, Proposer.LOOKUP))
+        if joining and not (plain_measured and lookup_measured):
+            return StepDecision(0, ADMISSION_FIRST)
+        if not plain_measured:
+            return StepDecision(0, "measuring plain decode")
+        if not lookup_measured:
+            return StepDecision(longest, "measuring drafting", proposer=Proposer.LOOKUP)
+        plain_rate = self.plain_rate([*rows, *joining])
+        x, lookup_rate = self.best_lookup(rows)
+        drafting = lookup_rate > plain_rate * (1.0 + self.config.margin)
+        self._review_exploration(drafting)
+        if self.decisions < self.next_exploration:
+            return StepDecision(x if drafting else 0, LOOKUP_PAYS if drafting else PLAIN_FASTER,
+                                plain_rate, lookup_rate, Proposer.LOOKUP)  # fmt: skip
+        self._explored_against = drafting
+        return StepDecision(0 if drafting else probe, "exploring", plain_rate, lookup_rate,
+                            Proposer.LOOKUP)  # fmt: skip
+
     def _review_exploration(self, drafting: bool) -> None:
         """The first decision after an exploration, on fits that include it, sets the next one:
         later when the exploration confirmed the choice it overrode, soon when it changed it."""
@@ -179,6 +211,11 @@ class StepPlanner:
         """Drafting past every row's ``remaining - 1`` cannot pay (the verify adds a token)."""
         most = max(r.remaining - 1 for r in rows if r.drafts)
         return max(self.min_drafts, min(x, most))
+
+    def _lookup_cap(self, rows: Sequence[PlannedRow]) -> int:
+        """The longest lookup draft that can pay: ``_cap`` over the rows that carry one."""
+        most = max((min(r.lookup, r.remaining - 1) for r in rows if r.lookup), default=0)
+        return max(0, min(most, self.max_drafts))
 
     def plain_rate(self, rows: Sequence[PlannedRow]) -> float:
         seconds = self.costs.predict(ForwardKind.PLAIN, plain_shape(rows))
@@ -206,7 +243,7 @@ class StepPlanner:
         """The lookup draft count of the highest predicted rate (module doc), and that rate;
         (0, 0.0) when no row has a lookup draft. Every row commits at least its verify's token.
         """
-        longest = min(max((r.lookup for r in rows), default=0), self._cap(rows, self.max_drafts))
+        longest = self._lookup_cap(rows)
         best_x, best_rate = 0, 0.0
         for x in range(1, longest + 1):
             shape = verify_shape(rows, x + 1, Proposer.LOOKUP)

@@ -88,3 +88,44 @@ def test_proposer_compressed_never_prices_lookup_drafts() -> None:
         assert ctl.plan(looked_up(6000, [6], alpha=0.95)).proposer is expected
     fixed = DraftLengthController(fixed=4, max_drafts=8)  # auto with a fixed length: as before
     assert fixed.plan(looked_up(100, [6])).proposer is Proposer.COMPRESSED
+
+
+def demoted(context: int, tokens: list[int], alpha: float = 0.9) -> list[StepRow]:
+    """8 rows that dropped their compressed KV for admission; row i has a lookup draft of
+    ``tokens[i]`` tokens (cycled)."""
+    return [StepRow(f"r{i}", context, 0, 200, False, tokens[i % len(tokens)], alpha)
+            for i in range(8)]
+
+
+def test_rows_without_compressed_kv_verify_their_lookup_drafts_where_they_pay() -> None:
+    """A demoted row has no compressed KV but its own context: its lookup drafts are weighed
+    against plain decoding alone, and a batch with none left to draft is plain as before."""
+    ctl = DraftLengthController(fixed=None, max_drafts=8)
+    time_forwards(ctl)
+    plan = ctl.plan(demoted(6000, [6], alpha=0.95))
+    assert (plan.proposer, plan.drafts) == (Proposer.LOOKUP, 6), plan
+    assert plan.draft_rate > plan.plain_rate
+    rare = ctl.plan(demoted(6000, [0, 0, 0, 0, 0, 0, 0, 1], alpha=0.1))
+    assert rare.drafts == 0 and rare.reason == "plain decoding is faster", rare
+    assert ctl.plan(demoted(6000, [0])).reason == "no row can draft"
+    # a fixed length drafts what the rows can: their lookup drafts, cut to the fixed length
+    fixed = DraftLengthController(fixed=4, max_drafts=8).plan(demoted(100, [0, 6]))
+    assert (fixed.drafts, fixed.proposer) == (4, Proposer.LOOKUP)
+    none = DraftLengthController(fixed=None, max_drafts=8, proposer="compressed")
+    assert none.plan(demoted(6000, [6])).drafts == 0
+
+
+def test_lookup_only_rows_are_measured_before_they_are_predicted() -> None:
+    """A fresh planner times a plain step, then a lookup verify, before weighing them."""
+    ctl = DraftLengthController(fixed=None, max_drafts=8)
+    first = ctl.plan(demoted(3000, [5]))
+    assert (first.drafts, first.reason) == (0, "measuring plain decode")
+    for _ in range(3):
+        ctl.observe_forward(ForwardKind.PLAIN, ForwardShape.plain([3000] * 8), 0.2)
+    second = ctl.plan(demoted(3000, [5]))
+    assert (second.drafts, second.reason, second.proposer) == (
+        5, "measuring drafting", Proposer.LOOKUP)
+    for _ in range(3):
+        ctl.observe_forward(ForwardKind.VERIFY, ForwardShape.verify([3000] * 8, 6), 0.25)
+    third = ctl.plan(demoted(3000, [5], alpha=0.95))
+    assert third.reason == "lookup drafts pay" and third.drafts == 5, third

@@ -64,3 +64,19 @@ def test_sampled_requests_record_verifications_and_report_their_mode() -> None:
     meta = s.to_meta_info()
     assert meta["mode"] == "sampled" and meta["accept_rate"] == 0.25 and meta["plain_reason"] == ""
     assert DecodeMode.SAMPLED.drafted and DecodeMode.GREEDY.drafted and not DecodeMode.PLAIN.drafted
+
+
+def test_a_demoted_request_keeps_counting_its_lookup_drafts_only() -> None:
+    """Its compressed KV dropped for admission, a request still verifies drafts of its own
+    context (no compressed KV needed); drafts from compressed KV it can no longer have."""
+    s = VeriCacheStats()
+    s.record(VerifyRecord(drafted=4, committed=5, bytes_fetched=0, wait_full_s=0.0))
+    s = s.demoted("compressed KV dropped to make room")
+    s.record(VerifyRecord(drafted=6, committed=4, bytes_fetched=0, wait_full_s=0.0,
+                          proposer=Proposer.LOOKUP))  # fmt: skip
+    s.check_integrity()
+    with pytest.raises(RuntimeError):
+        s.record(VerifyRecord(drafted=2, committed=1, bytes_fetched=0, wait_full_s=0.0))
+    meta = s.to_meta_info()
+    assert meta["mode"] == "plain" and meta["committed"] == 9 and meta["verify_steps"] == 2
+    assert meta["proposers"]["lookup"] == {"verify_steps": 1, "drafted": 6, "accepted": 3}

@@ -25,9 +25,10 @@ thread.
     _plain_step   one token per row from SGLang's own decode forward and sampler (compressed KV
                   is left behind: nothing drafts from it until drafting resumes)
     _verify_step  compressed KV caught up, _draft (x forwards over the compressed views; or
-                  the rows' prompt-lookup drafts, no forward), one full-KV verify (penalized
-                  rows penalized per column: penalized_rows.py), accept
-    _commit       per drafted row: compressed KV append, stats, placement
+                  the rows' prompt-lookup drafts, no forward, demoted rows' too), one full-KV
+                  verify (penalized rows penalized per column: penalized_rows.py), accept
+    _commit       per drafted row: compressed KV append, stats, placement (a demoted row's
+                  lookup drafts: stats only, _count_verify)
 """
 
 from __future__ import annotations
@@ -74,7 +75,7 @@ from sglang_vericache.srt.kv.reinstate import admission_waits, still_demoted
 from sglang_vericache.srt.metrics import VeriCacheExporter
 from sglang_vericache.srt.prefix.draft_ahead import DraftAhead, batch_proposals
 from sglang_vericache.verify import VerifyRecord
-from sglang_vericache.verify.stats import Proposer
+from sglang_vericache.verify.stats import DecodeMode, Proposer
 from sglang_vericache.verify.draft_length import DraftLengthController
 from sglang_vericache.verify.draft_chain import DraftChain
 from sglang_vericache.verify.step_cost import ForwardKind, ForwardShape
@@ -131,9 +132,11 @@ class DecodeStep:
         self._sync_states(batch, step.drafted)
         moved = relieve_pressure(batch, self.states, self.offloader(),
                                  self.speculative_num_draft_tokens)  # fmt: skip
-        lookup = self._lookup_drafts(batch, step)
+        # each lookup row's draft, scored against what commits whichever proposer the step uses
+        lookup = {} if self.draft_length.proposer == "compressed" else self.book.lookup_drafts(
+            batch.reqs, step.lookup_rows, self.speculative_num_draft_tokens - 1)
         priced = {i: (len(d), self.book.lookups[batch.reqs[i].rid].alpha)
-                  for i, d in lookup.items()} if step.all_greedy else {}  # fmt: skip
+                  for i, d in lookup.items()} if step.takes_lookup else {}  # fmt: skip
         joining = joining_contexts(batch, step.drafted, self.offloader())
         plan = self.draft_length.plan(step_rows(batch, self.states, step.drafted, priced), joining)
         if plan.reason in ADMITTING:
@@ -156,16 +159,6 @@ class DecodeStep:
             return self._verify_step(batch, step, plan.drafts,
                                      lookup if plan.proposer is Proposer.LOOKUP else None)
         return self._plain_step(batch)
-
-    def _lookup_drafts(self, batch, step: StepRows) -> dict[int, list[int]]:
-        """Row -> prompt-lookup draft of each greedy drafted row (``RequestBook.lookup_drafts``;
-        scored against what commits whichever proposer the step uses), unless
-        ``--vericache-proposer compressed``."""
-        if self.draft_length.proposer == "compressed":
-            return {}
-        skip = {*step.sampled, *step.grammar}
-        greedy = [i for i in step.drafted if i not in skip]
-        return self.book.lookup_drafts(batch.reqs, greedy, self.speculative_num_draft_tokens - 1)
 
     def _lap(self, phase: Phase) -> None:
         lap(self.clock, phase)
@@ -281,6 +274,10 @@ class DecodeStep:
         (``verify/row_acceptance.py``)."""
         started, drafting_seconds = time.perf_counter(), 0.0
         bs, drafted, plain_rows = len(batch.reqs), step.drafted, step.plain
+        # demoted rows verify their lookup drafts; in any other step they take one token
+        looked_up = step.lookup_only if lookup is not None else []
+        if looked_up:
+            plain_rows = [i for i in plain_rows if i not in looked_up]
         for i in plain_rows:
             self.book.note_plain(batch.reqs[i])
         width = 1 + drafts
@@ -301,8 +298,9 @@ class DecodeStep:
         # the verify's host-resident full KV goes to the device while the batch drafts (a GPU)
         stager = self.stager()
         self.clock.note_transient(stager.stage(pool_rows))
-        chain = DraftChain.start(last_tokens(batch, self.device), width, drafted,
-                                 reqs=batch.reqs, sampling_info=batch.sampling_info,
+        chain = DraftChain.start(last_tokens(batch, self.device), width,
+                                 sorted({*drafted, *looked_up}), reqs=batch.reqs,
+                                 sampling_info=batch.sampling_info,
                                  sampled_rows=step.sampled, grammar_rows=step.grammar,
                                  positions=base, generator=self.generator)  # fmt: skip
         if ahead is not None:
@@ -343,8 +341,12 @@ class DecodeStep:
             queries = [capture.queries[i][layer] for layer in range(self.num_layers)]
             self._commit(batch.reqs[i], pool_rows[i], int(base[i]), int(accept_lens[i]),
                          int(draft_lens[i]), queries, proposer)  # fmt: skip
-        for i in step.demoted:  # their token follows their KV to the host
-            self.offload(batch.reqs[i], pool_rows[i], int(base[i]) + 1, None)
+        for i in looked_up:  # no compressed KV to extend; offloaded with the demoted rows
+            self._count_verify(self.book.stats(batch.reqs[i].rid), pool_rows[i],
+                               int(draft_lens[i]), int(accept_lens[i]), Proposer.LOOKUP,
+                               DecodeMode.GREEDY)  # fmt: skip
+        for i in step.demoted:  # what they commit follows their KV to the host
+            self.offload(batch.reqs[i], pool_rows[i], int(base[i]) + int(accept_lens[i]), None)
         self._lap(Phase.OFFLOAD)
         # the verify is priced as the whole drafted step but its draft forwards: it carries
         # the catch-up of compressed KV behind after plain steps, the commit and the offloads,
@@ -358,6 +360,17 @@ class DecodeStep:
         tokens[:, :width] = predict
         return self.result(batch, tokens.flatten(), accept_lens, new_seq_lens,
                            out.logits_output)  # fmt: skip
+
+    def _count_verify(self, stats: Any, row: int, drafts: int, n: int, proposer: Proposer,
+                      mode: DecodeMode) -> None:  # fmt: skip
+        """One verification of ``drafts`` drafts that committed ``n`` tokens of pool ``row``, in
+        its request's ``stats`` and on ``/metrics`` (labelled ``mode``)."""
+        span = self.offloader().ledger.span(row)
+        record = VerifyRecord(drafted=drafts, committed=n, wait_full_s=0.0, proposer=proposer,
+                              bytes_fetched=0 if span is None else span.host.nbytes)  # fmt: skip
+        stats.record(record)  # the bytes: host KV the verify read
+        if self.metrics is not None:
+            self.metrics.observe_verify(record, mode)
 
     def _level(self, state: RequestDraftState, row: int, length: int) -> None:
         """Catch ``state`` up with the ``length`` committed positions of pool ``row``."""
@@ -378,15 +391,9 @@ class DecodeStep:
             state.defer(base, [q[:, :n] for q in queries])
             if state.deferred >= DEFER_MAX:
                 self._level(state, row, base + n)
-        span = offloader.ledger.span(row)
-        fetched = 0 if span is None else span.host.nbytes  # host KV the verify read
-        record = VerifyRecord(drafted=drafts, committed=n, bytes_fetched=fetched,
-                              wait_full_s=0.0, proposer=proposer)  # fmt: skip
-        state.stats.record(record)
+        self._count_verify(state.stats, row, drafts, n, proposer, state.stats.mode)
         if proposer is not Proposer.LOOKUP:  # a lookup draft is scored by its own index
             self.draft_length.observe(req.rid, drafts, n - 1)
-        if self.metrics is not None:
-            self.metrics.observe_verify(record, state.stats.mode)
         self._lap(Phase.COMMIT)
         self.offload(req, row, base + n, state)
         self._lap(Phase.OFFLOAD)

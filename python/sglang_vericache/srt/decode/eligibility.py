@@ -127,7 +127,9 @@ class StepRows:
     grammar: the drafted ones with a grammar (masked along the chain); penalized: the drafted
     ones with penalties (greedy; penalized along the chain); plain: every other row
     (one token from SGLang's sampler in the same step); demoted: the plain rows whose compressed
-    KV was dropped (``without``): their committed token follows their KV to the host.
+    KV was dropped (``without``): what they commit follows their KV to the host; lookup_only:
+    the demoted rows that still take prompt-lookup drafts (greedy, no grammar, no penalties: a
+    draft of their own context needs no compressed KV, no q and no mask).
     """
 
     drafted: list[int]
@@ -136,6 +138,7 @@ class StepRows:
     grammar: list[int] = field(default_factory=list)
     demoted: list[int] = field(default_factory=list)
     penalized: list[int] = field(default_factory=list)
+    lookup_only: list[int] = field(default_factory=list)
 
     @classmethod
     def of(cls, reqs: list[Any], *, drafting: bool = True,
@@ -163,11 +166,27 @@ class StepRows:
         mask: prompt lookup, drafting while a prefix is fetched) serve such a step only."""
         return not (self.plain or self.sampled or self.grammar)
 
+    @property
+    def lookup_rows(self) -> list[int]:
+        """Rows that take prompt-lookup drafts: greedy drafted rows without a grammar (their
+        penalties mirrored along the chain) and the ``lookup_only`` ones."""
+        skip = {*self.sampled, *self.grammar}
+        return sorted({*(i for i in self.drafted if i not in skip), *self.lookup_only})
+
+    @property
+    def takes_lookup(self) -> bool:
+        """Prompt-lookup drafts can serve this step: no sampled or grammar rows (plain rows ride
+        along and take SGLang's sample at column 0, as in any verify)."""
+        return not (self.sampled or self.grammar)
+
     def without(self, rows: set[int]) -> StepRows:
-        """The same step with ``rows`` decoded plainly (their compressed KV was dropped)."""
+        """The same step with ``rows`` decoded plainly (their compressed KV was dropped), those
+        of them drafted greedy without grammar or penalties in ``lookup_only``."""
         if not rows:
             return self
         keep = lambda xs: [i for i in xs if i not in rows]  # noqa: E731
+        # a row not drafted this step (the whole step plain) takes no lookup draft either
+        greedy = set(self.drafted) - {*self.sampled, *self.grammar, *self.penalized}
         return StepRows(keep(self.drafted), keep(self.sampled),
                         sorted({*self.plain, *(set(self.drafted) & rows)}), keep(self.grammar),
-                        sorted(rows), keep(self.penalized))  # fmt: skip
+                        sorted(rows), keep(self.penalized), sorted(greedy & rows))  # fmt: skip

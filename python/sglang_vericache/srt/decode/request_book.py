@@ -39,8 +39,9 @@ from sglang_vericache.verify import VeriCacheStats
 from sglang_vericache.verify.prompt_lookup import RequestLookup
 
 OFFLOAD_ONLY = "--vericache-draft-len 0: full KV offloaded, read back for every token, no drafts"
-DEMOTED = ("compressed KV dropped to make room: drafting did not pay here; full KV offloaded, "
-           "read back for every token")  # fmt: skip
+DEMOTED = ("compressed KV dropped to make room: drafting from it did not pay here; full KV "
+           "offloaded, read back for every step; greedy rows still verify drafts of their own "
+           "context")  # fmt: skip
 
 
 @dataclass(slots=True)
@@ -96,7 +97,7 @@ class RequestBook:
         return state.stats if state is not None else self.plain.get(rid)
 
     def lookup_drafts(self, reqs: list[Any], rows: list[int], most: int) -> dict[int, list[int]]:
-        """Each of ``rows`` (greedy, drafted) to its prompt-lookup draft of at most ``most``
+        """Each of ``rows`` (``StepRows.lookup_rows``) to its prompt-lookup draft of at most ``most``
         tokens (empty: its context does not repeat its last tokens); each row's index first
         catches up with what it committed, which scores its previous proposal."""
         drafts = {}
