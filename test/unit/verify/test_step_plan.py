@@ -185,6 +185,26 @@ def test_rows_that_cannot_draft_never_plan_drafts() -> None:
     assert planner.plan(rows).drafts == 0 and planner.plan(rows).reason == "no row can draft"
 
 
+def test_rows_without_compressed_kv_weigh_their_lookup_drafts_against_plain_alone() -> None:
+    """Every row dropped its compressed KV for admission; their lookup drafts still verify
+    where they pay, and a lookup step is explored now and then where plain wins."""
+    planner = trained_planner(config=PlannerConfig(explore_every=4, explore_max=32))
+    rows = [PlannedRow(6300, 0, 0.0, 100, False, lookup=6, lookup_alpha=0.95)] * 8
+    plan = planner.plan(rows)
+    assert (plan.proposer, plan.reason, plan.drafts) == (Proposer.LOOKUP, "lookup drafts pay", 6)
+    rare = [PlannedRow(1000, 0, 0.0, 100, False, lookup=2, lookup_alpha=0.05)] * 8
+    seen = []
+    for _ in range(20):
+        plan = planner.plan(rare)
+        if plan.reason == "exploring":
+            seen.append(plan.drafts)
+        else:
+            assert (plan.reason, plan.drafts) == ("plain decoding is faster", 0), plan
+    assert seen and all(d == 1 for d in seen), seen  # a probe: the shortest lookup chain
+    ends = [PlannedRow(6300, 0, 0.0, 3, False, lookup=9, lookup_alpha=0.95)] * 8
+    assert planner.plan(ends).drafts == 2  # no further than a row may still emit, less one
+
+
 def test_verify_shape_reads_each_row_once() -> None:
     shape = verify_shape(batch(2, 100), 5)
     assert (shape.rows, shape.queries, shape.kv_read) == (2, 10, 210)
