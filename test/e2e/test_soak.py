@@ -1,4 +1,4 @@
-"""A five-minute soak (``benchmark/soak.py``; the hour-long run is on the benchmark page).
+"""A four-minute soak (``benchmark/soak.py``; the hour-long run is on the benchmark page).
 
 The shared plain server and a ``--vericache`` server that writes through to a real zmq KV
 server take the same mixed traffic at concurrency 16 (the fuzzer's mix, 10% client disconnects,
@@ -24,7 +24,7 @@ from soak import SHARED_ARGS, SoakTarget, soak  # noqa: E402  (benchmark/ on sys
 
 pytestmark = [pytest.mark.sglang, pytest.mark.model, pytest.mark.timeout(1800)]
 
-MINUTES = 5.0
+MINUTES = 4.0
 # Resident memory may grow while a fresh server warms up (compiled grammars, allocator arenas:
 # +200-400 MiB over the first minutes in a 30-minute run); from mid-run to the end it stayed
 # within +60 MiB there. A leak of a request's KV or buffers (hundreds of requests a minute)
@@ -66,7 +66,7 @@ def _target(name: str, server, metrics: bool = False) -> SoakTarget:
                       metrics=metrics)  # fmt: skip
 
 
-def test_five_minutes_of_mixed_traffic_leave_nothing_behind(plain_server, tiered_server,
+def test_four_minutes_of_mixed_traffic_leave_nothing_behind(plain_server, tiered_server,
                                                             tmp_path: Path) -> None:  # fmt: skip
     report = soak([_target("plain", plain_server), _target("vericache", tiered_server, True)],
                   minutes=MINUTES, sample_every_s=30.0, concurrency=16, seed=7,
