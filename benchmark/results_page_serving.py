@@ -22,12 +22,15 @@ GRIDS = ("serving_grid_1k_paired.json", "serving_grid_1k_c8.json", "serving_grid
          "serving_grid_4k_c8_gsp.json", "serving_grid_7k.json", "serving_grid_7k_c1.json",
          "serving_grid_1k_custom.json", "serving_grid_4k_tight_c1.json",
          "serving_grid_4k_custom_c1.json", "serving_grid_1k_tight_custom.json",
-         "serving_grid_1k_tight_custom_c8.json")
+         "serving_grid_1k_tight_custom_c8.json", "serving_grid_1k_tight_custom_c8_lookup.json",
+         "serving_grid_1k_tight_custom_c16.json", "serving_grid_4k_tight_custom_c8.json")
 COMMAND = "python benchmark/serving_grid.py"
 SERVERS = ("plain", "offload-only", "vericache")
 
 TEXT = """
 `python -m sglang.benchmark.serving`, `--vericache` (`auto`) vs the baselines; 64 new tokens each.
+Under a tight budget running rows give up their compressed KV for admission; on real text those
+rows still verify prompt-lookup drafts of their own context.
 """
 
 HEAD = ["budget", "dataset", "VeriCache / better baseline, output tok/s (input: concurrency ratio)",
