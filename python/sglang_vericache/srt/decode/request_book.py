@@ -97,9 +97,9 @@ class RequestBook:
         return state.stats if state is not None else self.plain.get(rid)
 
     def lookup_drafts(self, reqs: list[Any], rows: list[int], most: int) -> dict[int, list[int]]:
-        """Each of ``rows`` (``StepRows.lookup_rows``) to its prompt-lookup draft of at most ``most``
-        tokens (empty: its context does not repeat its last tokens); each row's index first
-        catches up with what it committed, which scores its previous proposal."""
+        """Each of ``rows`` (``StepRows.lookup_rows``) to its prompt-lookup draft of at most
+        ``most`` tokens (empty: its context does not repeat its last tokens); each row's index
+        first catches up with what it committed, which scores its previous proposal."""
         drafts = {}
         for i in rows:
             req = reqs[i]
