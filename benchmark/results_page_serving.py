@@ -23,7 +23,8 @@ GRIDS = ("serving_grid_1k_paired.json", "serving_grid_1k_c8.json", "serving_grid
          "serving_grid_1k_custom.json", "serving_grid_4k_tight_c1.json",
          "serving_grid_4k_custom_c1.json", "serving_grid_1k_tight_custom.json",
          "serving_grid_1k_tight_custom_c8.json", "serving_grid_1k_tight_custom_c8_lookup.json",
-         "serving_grid_1k_tight_custom_c16.json", "serving_grid_4k_tight_custom_c8.json")
+         "serving_grid_1k_tight_custom_c16.json", "serving_grid_4k_tight_custom_c8.json",
+         "serving_grid_4k_c16_custom.json")
 COMMAND = "python benchmark/serving_grid.py"
 SERVERS = ("plain", "offload-only", "vericache")
 
