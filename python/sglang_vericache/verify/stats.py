@@ -94,8 +94,8 @@ class VeriCacheStats:
     A PLAIN request names its reason and records no verification of compressed-KV drafts; its
     counters stay at zero, or at what it drafted before it was demoted to plain decoding
     (``demoted``) plus the prompt-lookup drafts it verified since (a draft of its own context
-    needs no compressed KV). For a
-    SAMPLED request ``accepted`` counts drafts that passed their min(1, p/q) coin.
+    needs no compressed KV). For a SAMPLED request ``accepted`` counts drafts that passed their
+    min(1, p/q) coin.
     """
 
     mode: DecodeMode = DecodeMode.GREEDY

@@ -19,7 +19,7 @@ own acceptance ``beta_i``; a lookup step costs no draft forward::
 and it is chosen where it beats both (and plain by ``margin``) (hysteresis: a tie
 is not worth the compressed KV's upkeep). Rows that dropped their compressed KV for admission
 (below) still carry lookup drafts: where none is left to draft from, the step weighs lookup
-against plain decoding alone (``_plan_lookup``), measured and explored the same way.
+against plain decoding alone, measured and explored the same way.
 
 Drafting pays where attention over the full KV dominates a step (long contexts, large batches, high
 acceptance) and loses where the fixed and per-token cost of x + 1 forwards dominates: the same code
@@ -137,63 +137,49 @@ class StepPlanner:
              joining: Sequence[PlannedRow] = ()) -> StepDecision:  # fmt: skip
         """This step's draft count for ``rows``; ``joining``: rows that would be admitted if the
         drafted rows dropped their compressed KV (module doc), decoded plainly if they join."""
-        if not any(r.drafts for r in rows):
-            if any(r.lookup for r in rows):
-                return self._plan_lookup(rows, joining)
+        compressed = any(r.drafts for r in rows)
+        if not (compressed or any(r.lookup for r in rows)):
             return StepDecision(0, "no row can draft")
         self.decisions += 1
-        probe = self._cap(rows, self.min_drafts)
-        drafting_measured = (
-            self.costs.covers(ForwardKind.DRAFT, draft_shape(rows, 0))
-            and self.costs.covers(ForwardKind.VERIFY, verify_shape(rows, probe + 1)))
+        # the drafts weighed against plain decoding: the compressed KV's, or where no row has any
+        # left (all dropped it for admission), the rows' lookup drafts alone
+        proposer = Proposer.COMPRESSED if compressed else Proposer.LOOKUP
+        if compressed:
+            probe = self._cap(rows, self.min_drafts)
+            drafting_measured = (
+                self.costs.covers(ForwardKind.DRAFT, draft_shape(rows, 0))
+                and self.costs.covers(ForwardKind.VERIFY, verify_shape(rows, probe + 1)))
+        else:
+            longest = max(1, self._lookup_cap(rows))
+            probe = min(longest, self.min_drafts)
+            drafting_measured = self.costs.covers(
+                ForwardKind.VERIFY, verify_shape(rows, probe + 1, proposer))
         plain_measured = self.costs.covers(ForwardKind.PLAIN, plain_shape(rows))
         if joining and not (plain_measured and drafting_measured):
             return StepDecision(0, ADMISSION_FIRST)
         if not plain_measured:
             return StepDecision(0, "measuring plain decode")
         if not drafting_measured:
+            if not compressed:
+                return StepDecision(longest, "measuring drafting", proposer=proposer)
             odd = self.costs.fits[ForwardKind.VERIFY].samples % 2  # chains of 2, 4, 2 drafts
             return StepDecision(self._cap(rows, self.min_drafts * (1 + odd)), "measuring drafting")
         plain_rate = self.plain_rate([*rows, *joining])
-        x, draft_rate = self.best_draft(rows)
+        x, draft_rate = self.best_draft(rows) if compressed else self.best_lookup(rows)
         drafting = draft_rate > plain_rate * (1.0 + self.config.margin)
         self._review_exploration(drafting)
         if self.decisions < self.next_exploration:
-            lx, lookup_rate = self.best_lookup(rows)
-            if lookup_rate > max(draft_rate, plain_rate * (1.0 + self.config.margin)):
-                return StepDecision(lx, LOOKUP_PAYS, plain_rate, lookup_rate, Proposer.LOOKUP)
-            return StepDecision(x if drafting else 0, DRAFTING_PAYS if drafting else PLAIN_FASTER,
-                                plain_rate, draft_rate)  # fmt: skip
+            if compressed:
+                lx, lookup_rate = self.best_lookup(rows)
+                if lookup_rate > max(draft_rate, plain_rate * (1.0 + self.config.margin)):
+                    return StepDecision(lx, LOOKUP_PAYS, plain_rate, lookup_rate,
+                                        Proposer.LOOKUP)  # fmt: skip
+            pays = DRAFTING_PAYS if compressed else LOOKUP_PAYS
+            return StepDecision(x if drafting else 0, pays if drafting else PLAIN_FASTER,
+                                plain_rate, draft_rate, proposer)  # fmt: skip
         self._explored_against = drafting  # keep the losing mode's fit fresh, as cheaply as can be
-        x = 0 if drafting else self._cap(rows, self.min_drafts)
-        return StepDecision(x, "exploring", plain_rate, draft_rate)
-
-    def _plan_lookup(self, rows: Sequence[PlannedRow],
-                     joining: Sequence[PlannedRow]) -> StepDecision:  # fmt: skip
-        """No row drafts from compressed KV (every one dropped it for admission) but some carry
-        prompt-lookup drafts: a lookup step or a plain one, measured and explored as above."""
-        self.decisions += 1
-        longest = max(1, self._lookup_cap(rows))
-        probe = min(longest, self.min_drafts)
-        plain_measured = self.costs.covers(ForwardKind.PLAIN, plain_shape(rows))
-        lookup_measured = self.costs.covers(
-            ForwardKind.VERIFY, verify_shape(rows, probe + 1, Proposer.LOOKUP))
-        if joining and not (plain_measured and lookup_measured):
-            return StepDecision(0, ADMISSION_FIRST)
-        if not plain_measured:
-            return StepDecision(0, "measuring plain decode")
-        if not lookup_measured:
-            return StepDecision(longest, "measuring drafting", proposer=Proposer.LOOKUP)
-        plain_rate = self.plain_rate([*rows, *joining])
-        x, lookup_rate = self.best_lookup(rows)
-        drafting = lookup_rate > plain_rate * (1.0 + self.config.margin)
-        self._review_exploration(drafting)
-        if self.decisions < self.next_exploration:
-            return StepDecision(x if drafting else 0, LOOKUP_PAYS if drafting else PLAIN_FASTER,
-                                plain_rate, lookup_rate, Proposer.LOOKUP)  # fmt: skip
-        self._explored_against = drafting
-        return StepDecision(0 if drafting else probe, "exploring", plain_rate, lookup_rate,
-                            Proposer.LOOKUP)  # fmt: skip
+        return StepDecision(0 if drafting else probe, "exploring", plain_rate, draft_rate,
+                            proposer)  # fmt: skip
 
     def _review_exploration(self, drafting: bool) -> None:
         """The first decision after an exploration, on fits that include it, sets the next one:
